@@ -1,0 +1,50 @@
+"""Which model shapes each kernel can serve, without importing cutlass.
+
+``config.validate`` calls ``unsupported`` for every (kernel, arch) a config
+asks for, so a config the kernels cannot build is refused before any compile.
+Each rule returns a sentence naming the quantity and the rule; an empty list
+means the kernel can serve the shape.
+"""
+
+from __future__ import annotations
+
+TILE = 128  # K blocks, scale blocks and row tiles
+MAX_TOKENS = 64  # largest M any kernel serves (grouped plan, workspace sizes)
+
+
+def unsupported(kernel: str, arch: str, hidden: int, inter: int, experts: int,
+                top_k: int, tokens: int) -> list[str]:  # fmt: skip
+    """Reasons (possibly none) why ``kernel`` for ``arch`` cannot serve this
+    shape at ``tokens`` tokens."""
+    reasons = []
+    if tokens < 1 or tokens > MAX_TOKENS:
+        reasons.append(f"tokens {tokens} outside 1..{MAX_TOKENS}")
+    if kernel == "mega":
+        reasons += _mega(arch, hidden, inter, experts, top_k)
+    elif kernel == "grouped":
+        reasons += _grouped(arch, hidden, inter, experts, top_k)
+    else:
+        reasons.append(f"unknown kernel {kernel!r}")
+    return reasons
+
+
+def _mega(arch: str, hidden: int, inter: int, experts: int, top_k: int) -> list[str]:
+    reasons = []
+    # The seed's 16-CTA cluster: CTA r owns GEMM1 row tile r // 2 and K half
+    # r % 2, so 2I/128 row tiles x 2 halves must be 16 and each half 16 K blocks.
+    if 2 * inter // TILE * 2 != 16:
+        reasons.append(f"inter {inter}: the mega kernel needs 2*inter/128*2 == 16 (inter 512)")
+    if hidden // TILE // 2 != 16:
+        reasons.append(f"hidden {hidden}: the mega kernel needs hidden/128/2 == 16 (hidden 4096)")
+    if experts > 1024:
+        reasons.append(f"experts {experts}: the mega kernel routes at most 1024 experts per warp")
+    return reasons
+
+
+def _grouped(arch: str, hidden: int, inter: int, experts: int, top_k: int) -> list[str]:
+    reasons = []
+    if experts > 1024:
+        reasons.append(f"experts {experts}: the grouped kernel routes at most 1024 experts per warp")
+    if top_k > 32:
+        reasons.append(f"top_k {top_k}: the grouped kernel writes one route per lane (<= 32)")
+    return reasons

@@ -1,0 +1,125 @@
+"""What a kernel build takes and what it gives back.
+
+This module is the contract between the kernels (CuTe DSL, compiled on a CPU
+machine) and everything downstream of them: the pipeline writes these values
+into the manifest, and the runtime launches cubins from the manifest alone. It
+imports neither cutlass nor torch.
+
+Parameter ABI: every kernel parameter is either a bare 8-byte device pointer
+(``kind="pointer"``: static-shaped tensors compile to a pointer only) or a
+32-bit integer (``kind="i32"``). The runtime fills pointers by parameter name;
+the names are listed in ``PARAMETER_NAMES``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+KERNELS = ("mega", "grouped")
+ARCHS = ("sm_90a", "sm_100a")
+LOGITS_DTYPES = ("float32", "bfloat16")
+
+#: What each parameter name means to the runtime (shapes per variant; M is the
+#: variant's token bucket, E experts, H hidden, I inter).
+PARAMETER_NAMES = {
+    "maps": "uint8 [n * 128]: CUtensorMaps of the variant's `tensor_maps`, in order",
+    "w13_scale": "fp32 [E, 2I/128, H/128] GEMM1 weight block scales (W31 order)",
+    "w2_scale": "fp32 [E, H/128, I/128] GEMM2 weight block scales",
+    "s13_scale": "fp32 [1, 2I/128, H/128] shared expert GEMM1 scales",
+    "s2_scale": "fp32 [1, H/128, I/128] shared expert GEMM2 scales",
+    "s13": "fp8 [1, H/128, 2I, 128] shared expert GEMM1 weights (raw bytes)",
+    "s2": "fp8 [1, I/128, H, 128] shared expert GEMM2 weights (raw bytes)",
+    "x": "bf16 [M, H] tokens",
+    "logits": "fp32 or bf16 [M, E] router logits",
+    "bias": "fp32 [E] score-correction bias",
+    "rows1": "int32 [2I] physical -> logical row of GEMM1",
+    "rows2": "int32 [H] physical -> logical row of GEMM2",
+    "rows": "int32 [128] in-tile physical -> logical row (every row tile)",
+    "out": "bf16 [M * top_k, H] unweighted route outputs",
+    "shared_out": "bf16 [M, H] shared expert output",
+    "final": "bf16 [M, H] finalized MoE output (aliases shared_out without finalize)",
+    "ids": "int32 [M * top_k] selected experts",
+    "weights": "fp32 [M * top_k] routing weights",
+    "plan_x": "workspace: fp8 [64, H] quantized tokens",
+    "plan_s": "workspace: fp32 [64, H/128] activation scales",
+    "hidden": "workspace: fp8 hidden blocks of every unit",
+    "hscale": "workspace: fp32 hidden scales of every unit",
+    "partial": "workspace: fp32 FC1 partials",
+    "counters": "workspace: int32 parity counters (zeroed once at allocation)",
+}
+
+#: Tensor maps the runtime can build, by name: 3-D view of a BlockMajorK
+#: weight [E, K/128, N, 128] as (128 bytes, N rows, E*K/128 blocks), box
+#: (128, 128, 1), 128-byte swizzle.
+TENSOR_MAPS = ("w13", "w2", "s13", "s2")
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """Every input that changes one variant's generated code.
+
+    Units: ``hidden``/``inter`` in elements, ``tokens`` = M (the bucket),
+    ``sms`` = the SM count the variant is compiled for (grid of persistent
+    kernels)."""
+
+    kernel: str
+    arch: str
+    hidden: int
+    inter: int
+    experts: int
+    top_k: int
+    scale: float
+    limit: float
+    ue8m0: bool
+    tokens: int
+    logits_dtype: str
+    finalize: bool
+    sms: int
+
+
+@dataclass(frozen=True)
+class Param:
+    """One kernel parameter, in ABI order."""
+
+    name: str
+    kind: str  # "pointer" | "i32"
+
+
+@dataclass(frozen=True)
+class LaunchShape:
+    """Launch configuration fixed at compile time: the runtime reproduces it.
+
+    ``smem`` is the dynamic shared memory in bytes; ``cluster`` is None for
+    a launch without clusters; ``pdl`` turns on programmatic stream
+    serialization."""
+
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    cluster: tuple[int, int, int] | None
+    smem: int
+    pdl: bool
+
+
+@dataclass(frozen=True)
+class Workspace:
+    """A scratch buffer the runtime owns per (device, stream); ``zero``: it
+    must be zero-filled once at allocation (never again)."""
+
+    name: str
+    bytes: int
+    zero: bool = False
+
+
+@dataclass(frozen=True)
+class CompiledKernel:
+    """What ``compile_kernel(spec)`` of a kernel module returns."""
+
+    cubin: bytes
+    entry: str
+    params: tuple[Param, ...]
+    launch: LaunchShape
+    tensor_maps: tuple[str, ...]
+    workspace: tuple[Workspace, ...] = ()
+    ptx: str | None = None
+    #: Free-form facts worth recording (stage count, smem layout, ...).
+    notes: dict = field(default_factory=dict)

@@ -1,0 +1,67 @@
+"""`moe-build`: compile MoE decode kernels ahead of time and manage their
+artifacts. Each command is a thin layer over a module of this package."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+import yaml
+
+from pipeline.config import ConfigError, load_config
+from pipeline.variants import expand
+
+#: Exit status for a config or input the tool refuses (click uses 2 for usage errors too).
+EXIT_BAD_INPUT = 2
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="moe-build")
+def main() -> None:
+    """Ahead-of-time builds of fused FP8 MoE decode kernels.
+
+    \b
+    Typical flow:
+      moe-build validate configs/glm5.yaml      check a config, list its variants
+      moe-build compile configs/glm5.yaml -o artifacts/glm5
+      moe-build package artifacts/glm5 -o glm5.tar.zst
+      moe-build inspect artifacts/glm5          what was built
+      moe-build diff OLD NEW                    what changed between two builds
+    """
+
+
+def load_or_exit(path: str):
+    """The validated config, or every problem on stderr and exit status 2."""
+    try:
+        return load_config(path)
+    except ConfigError as e:
+        for key, rule in e.problems:
+            click.echo(f"error: {e.path}: {key}: {rule}", err=True)
+        sys.exit(EXIT_BAD_INPUT)
+
+
+@main.command()
+@click.argument("config", type=click.Path(dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
+def validate(config: str, as_json: bool) -> None:
+    """Check CONFIG and print the resolved config and the variants it implies.
+
+    Exit status 0 when the config is valid, 2 (with every problem, naming the
+    file, the key and the rule) when it is not. Nothing is written.
+    """
+    cfg = load_or_exit(config)
+    variants = expand(cfg)
+    if as_json:
+        names = [v.name for v in variants]
+        click.echo(json.dumps({"config": cfg.to_dict(), "variants": names}, indent=1))
+        return
+    click.echo(f"# {config}: valid")
+    click.echo(yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=None).rstrip())
+    click.echo(f"# {len(variants)} variants")
+    for v in variants:
+        click.echo(f"  {v.name}  (sms {v.sms})")
+
+
+if __name__ == "__main__":
+    main()
