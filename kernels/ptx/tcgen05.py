@@ -14,9 +14,8 @@ the cases used here (E4M3 x E4M3 -> F32, both K-major, 128-byte swizzle).
 
 from __future__ import annotations
 
-from cutlass.cutlass_dsl import dsl_user_op
-
 from cutlass import Int32, Int64
+from cutlass.cutlass_dsl import dsl_user_op
 
 from ._asm import asm
 
@@ -154,4 +153,3 @@ def _check_columns(columns: int) -> None:
         raise ValueError(
             f"TMEM columns {columns}: a power of two in {TMEM_MIN_COLUMNS}..{TMEM_MAX_COLUMNS}"
         )
-
