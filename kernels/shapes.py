@@ -44,7 +44,9 @@ def _mega(arch: str, hidden: int, inter: int, experts: int, top_k: int) -> list[
 def _grouped(arch: str, hidden: int, inter: int, experts: int, top_k: int) -> list[str]:
     reasons = []
     if experts > 1024:
-        reasons.append(f"experts {experts}: the grouped kernel routes at most 1024 experts per warp")
+        reasons.append(
+            f"experts {experts}: the grouped kernel routes at most 1024 experts per warp"
+        )
     if top_k > 32:
         reasons.append(f"top_k {top_k}: the grouped kernel writes one route per lane (<= 32)")
     return reasons

@@ -1,0 +1,47 @@
+# Thin wrappers: every target works on a fresh machine (it installs what it needs).
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+CONFIG ?= configs/glm5.yaml
+OUT    ?= artifacts/glm5
+JOBS   ?= 2
+# pytest selection; GPU tests skip themselves without a GPU.
+TESTS  ?= tests
+
+.PHONY: install build test lint format bench clean
+
+# The venv is rebuilt when pyproject.toml changes. torch is installed first on
+# its own: a plain range would pull a multi-GB CUDA build where a CPU wheel
+# (2.13.0) is at hand; any torch >= 2.6 works.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "torch==2.13.0" \
+		|| $(PY) -m pip install -q "torch>=2.6"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+install: $(VENV)/.installed
+
+## build: install, then compile $(CONFIG) for every kernel, arch and bucket into $(OUT)
+build: install
+	$(VENV)/bin/moe-build compile $(CONFIG) -o $(OUT) --jobs $(JOBS)
+
+## test: install, then run the test suite (CPU; GPU tests skip without a GPU)
+test: install
+	$(VENV)/bin/pytest -q $(TESTS)
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: install
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+## bench: on a GPU machine, time the kernels of $(OUT) against the HBM floor and torch
+bench: install
+	$(VENV)/bin/moe-build bench $(OUT) --json benchmarks/results/latest.json
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
