@@ -1,0 +1,509 @@
+"""Host-side formulas of the grouped kernel (pure Python: no cutlass, no torch).
+
+The grouped kernel (one persistent CTA per SM) cuts one call's work into
+*units*: up to ``GROUP`` tokens of one expert, the shared expert's units first
+(tokens 0..15, 16..31, ...), then every routed expert in expert order, its
+routes in token order, one unit per started ``GROUP`` of routes. Weights move
+in *stages* of ``DEPTH`` K blocks (128 x 128 FP8 boxes) of one row tile:
+
+* FC1: a unit has ``pairs`` = I/128 pairs (an up and a gate row tile); a
+  pair is ``span`` stages (up kb, gate kb, up kb+2, gate kb+2, ...). All
+  units' FC1 stages form one list cut into one contiguous range per CTA. A
+  pair cut between CTAs is finished by its *owner*, the CTA holding its first
+  stage (it reaches the pair at the end of its range); the others publish
+  FP32 partials when they start their ranges.
+* FC2: (unit, output row tile) *jobs* of ``job`` stages, claimed ``chunk``
+  jobs at a time from a counter.
+* Above ``SPLIT_UNITS`` units both lists are cut into halves A and B and every
+  CTA runs FC1(A), FC1(B), FC2(A), FC2(B).
+
+The device code (``grouped_common``) computes the same things with the same
+formulas; this module is their statement in plain Python, used for workspace
+sizes, shared-memory layouts and the tests that check the formulas against
+brute-force enumeration.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kernels.shapes import MAX_TOKENS, TILE
+from kernels.spec import Workspace
+
+GROUP = 16  # tokens of a unit: the MMA N side
+DEPTH = 2  # K blocks of a weight stage
+SPLIT_UNITS = 40  # above this many units, halves A and B
+STAGE_BYTES = TILE * TILE  # one FP8 128 x 128 box
+FP8_MAX = 448.0
+
+# Stage word: unit (bits 0-9), row tile (10-15), K block (16-21), FC2 (22),
+# half (23), opens (24), closes (25). END ends a role's stage list.
+UNIT_BITS, TILE_BITS, KB_BITS = 10, 6, 6
+SHIFT_TILE, SHIFT_KB = 10, 16
+BIT_FC2, BIT_HALF, BIT_OPENS, BIT_CLOSES = 22, 23, 24, 25
+END = 0xFFFFFFFF
+
+#: Dynamic shared memory one CTA may use, per target: the per-block opt-in
+#: (cudaDevAttrMaxSharedMemoryPerBlockOptin: 232448 B = 227 KiB on H100/H200
+#: and B200) less the 1 KiB the cubin reports as static for any kernel using
+#: shared memory. The one place the kernels' shared-memory limits come from.
+SMEM_OPTIN = {"sm_90a": 232448, "sm_100a": 232448}
+SMEM_RESERVED = 1024
+SMEM_LIMIT = {arch: optin - SMEM_RESERVED for arch, optin in SMEM_OPTIN.items()}
+
+#: Stage counts tried, deepest first (hopper.md: 4 to 12 stages of 16 KiB
+#: reach the copy bandwidth; a stage here is 32 KiB).
+MAX_STAGES, MIN_STAGES = 12, 4
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def unit_capacity(experts: int, top_k: int, tokens: int = MAX_TOKENS, group: int = GROUP) -> int:
+    """Most units a call of ``tokens`` tokens can have (any routing), with
+    units of ``group`` tokens.
+
+    The shared expert has ceil(tokens / GROUP) units. Routed units: an
+    expert's first route opens a unit (one unit per route while experts
+    last), every further unit costs GROUP more routes of one expert, and an
+    expert holds at most ``tokens`` routes (each token picks distinct experts),
+    so at most ceil(tokens / GROUP) units."""
+    routes = tokens * top_k
+    first = min(routes, experts)
+    more = min((routes - first) // group, experts * (ceil_div(tokens, group) - 1))
+    return ceil_div(tokens, group) + first + more
+
+
+def chunk_jobs(tokens: int) -> int:
+    """FC2 jobs per claim: fewer unit switches against a finer tail balance
+    (seed, on B200: 8 tokens 59 vs 65 us at 2 vs 8; 64 tokens 174 vs 181 us
+    at 8 vs 2)."""
+    return 2 if tokens <= 16 else 8
+
+
+# Counters ------------------------------------------------------------------
+
+
+def call_parity(calls: int, grid: int) -> int:
+    """The counter block a call uses, from the call counter a CTA reads at its
+    start: CTAs of the call before have all counted (``griddepcontrol.wait``),
+    CTAs of this one at most ``grid - 1`` times (the reader has not)."""
+    return calls // grid
+
+
+def count_call(calls: int, grid: int) -> int:
+    """The call counter after one CTA's ``atom.inc`` with limit 2 * grid - 1."""
+    return 0 if calls >= 2 * grid - 1 else calls + 1
+
+
+@dataclass(frozen=True)
+class Counters:
+    """Word offsets (int32) in the ``counters`` workspace. Two blocks of
+    ``words`` (one per call parity), then the call counter. Sized for
+    MAX_TOKENS whatever the bucket, so one buffer serves every bucket of a
+    model (the parity a call uses depends only on how many calls ran)."""
+
+    words: int  # one parity block
+    pairs: int  # pair arrival counters start here (unit * pairs + pair)
+    unit_ready: int  # hidden blocks published per unit
+    jobs: int  # next FC2 job of halves A and B (two words)
+    finished: int  # CTAs through FC2 (finalize)
+    calls: int  # call counter (2 * grid calls wrap), after both blocks
+
+    @property
+    def total(self) -> int:
+        return 2 * self.words + 1
+
+
+def counter_words(experts: int, top_k: int, pairs: int) -> int:
+    """Counters of one call parity: ready tokens, pair arrivals, unit
+    readiness, the next FC2 job of halves A and B, finished CTAs."""
+    return 4 + unit_capacity(experts, top_k) * (pairs + 1)
+
+
+def counters(experts: int, top_k: int, pairs: int) -> Counters:
+    words = counter_words(experts, top_k, pairs)
+    units = unit_capacity(experts, top_k)
+    return Counters(
+        words=words, pairs=1, unit_ready=1 + units * pairs, jobs=words - 3,
+        finished=words - 1, calls=2 * words,
+    )  # fmt: skip
+
+
+# The plan of one variant -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GroupedPlan:
+    """Static quantities of one grouped variant. ``grid`` is the CTA count
+    (the target's SM count, one CTA per SM)."""
+
+    hidden: int
+    inter: int
+    experts: int
+    top_k: int
+    tokens: int
+    grid: int
+
+    def __post_init__(self):
+        problems = plan_problems(self.hidden, self.inter, self.experts, self.top_k, self.tokens)
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    @classmethod
+    def from_spec(cls, spec) -> GroupedPlan:
+        return cls(spec.hidden, spec.inter, spec.experts, spec.top_k, spec.tokens, spec.sms)
+
+    nk1 = property(lambda self: self.hidden // TILE)  # GEMM1 K blocks
+    nk2 = property(lambda self: self.inter // TILE)  # GEMM2 K blocks
+    pairs = property(lambda self: self.inter // TILE)  # (up, gate) row-tile pairs
+    tiles2 = property(lambda self: self.hidden // TILE)  # GEMM2 row tiles (FC2 jobs/unit)
+    span = property(lambda self: 2 * self.nk1 // DEPTH)  # FC1 stages of a pair
+    unit1 = property(lambda self: self.pairs * self.span)  # FC1 stages of a unit
+    job = property(lambda self: self.nk2 // DEPTH)  # FC2 stages of a job
+    routes = property(lambda self: self.tokens * self.top_k)
+    shared_units = property(lambda self: ceil_div(self.tokens, GROUP))
+    max_units = property(lambda self: unit_capacity(self.experts, self.top_k, self.tokens))
+    chunk = property(lambda self: chunk_jobs(self.tokens))
+    counters = property(lambda self: counters(self.experts, self.top_k, self.pairs))
+
+
+def plan_problems(hidden: int, inter: int, experts: int, top_k: int, tokens: int) -> list[str]:
+    """Why the grouped plan cannot serve this shape (empty: it can)."""
+    reasons = []
+    if hidden % (TILE * DEPTH) or inter % (TILE * DEPTH):
+        reasons.append(f"hidden {hidden} and inter {inter} must be multiples of {TILE * DEPTH}")
+    if hidden // TILE >= 1 << KB_BITS or hidden // TILE >= 1 << TILE_BITS:
+        reasons.append(f"hidden {hidden}: at most {(1 << KB_BITS) - 1} blocks of 128")
+    if 2 * inter // TILE >= 1 << TILE_BITS:
+        reasons.append(f"inter {inter}: at most {(1 << TILE_BITS) // 2 - 1} blocks of 128")
+    if experts % 32:
+        reasons.append(f"experts {experts} must be a multiple of 32 (one warp ranks them)")
+    if not 1 <= top_k <= min(32, experts):
+        reasons.append(f"top_k {top_k} must be in 1..min(32, experts)")
+    if not 1 <= tokens <= MAX_TOKENS:
+        reasons.append(f"tokens {tokens} outside 1..{MAX_TOKENS}")
+    if not reasons and unit_capacity(experts, top_k) >= 1 << UNIT_BITS:
+        reasons.append(f"{unit_capacity(experts, top_k)} units exceed the {UNIT_BITS}-bit field")
+    return reasons
+
+
+# Workspaces ----------------------------------------------------------------------
+
+
+def workspaces(
+    hidden: int, inter: int, experts: int, top_k: int, grid: int
+) -> tuple[Workspace, ...]:
+    """Scratch every call of a model shares (calls run one after another on a
+    stream), sized for MAX_TOKENS so that every bucket can use the same
+    buffers: quantized tokens, their scales, hidden blocks and scales of every
+    unit, FC1 partials (one per CTA and half) and the parity counters."""
+    units = unit_capacity(experts, top_k)
+    nk1, nk2 = hidden // TILE, inter // TILE
+    return (
+        Workspace("plan_x", MAX_TOKENS * hidden),
+        Workspace("plan_s", MAX_TOKENS * nk1 * 4),
+        Workspace("hidden", units * GROUP * inter),
+        Workspace("hscale", units * GROUP * nk2 * 4),
+        Workspace("partial", 2 * grid * 2 * GROUP * TILE * 4),
+        Workspace("counters", counters(experts, top_k, nk2).total * 4, zero=True),
+    )
+
+
+# Shared memory ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SmemLayout:
+    """Byte offsets in one CTA's dynamic shared memory (base 1024-aligned).
+
+    ``slots``: accumulator slots between MMA issue and epilogue (TMEM on
+    sm_100a; 0 on sm_90a, where the MMA warpgroup is the epilogue). Rings:
+    ``ring`` stages of column scales (DEPTH * GROUP floats each), ``posts``
+    stage words; barriers: full[stages], empty[stages], acc_full[slots],
+    acc_empty[slots], posted[posts]."""
+
+    stages: int
+    slots: int
+    gatherers: int
+    ring: int
+    posts: int
+    bars: int
+    a_bytes: int  # weights of one stage
+    b_bytes: int  # token (B) tile of one stage
+    off_w: int
+    off_b: int
+    off_ring: int
+    off_hs: int
+    off_amax: int
+    off_picks: int
+    off_mask: int
+    off_eoff: int
+    off_uexp: int
+    off_uoff: int
+    off_ucnt: int
+    off_flat: int
+    off_scal: int
+    off_desc: int
+    off_bar: int
+    off_tmem: int
+    total: int
+
+    def regions(self) -> list[tuple[str, int, int]]:
+        """(name, offset, bytes) of every region, in address order."""
+        names = [n[4:] for n in self.__dataclass_fields__ if n.startswith("off_")]
+        starts = [getattr(self, "off_" + n) for n in names]
+        ends = starts[1:] + [self.total]
+        return [(n, s, e - s) for n, s, e in zip(names, starts, ends, strict=True)]
+
+
+#: Scalars in the ``scal`` region (int32 indices).
+S_PARITY, S_UNITS, S_SPLIT, S_S1A, S_S1B, S_LO1A, S_LO1B = 0, 1, 2, 3, 4, 5, 6
+S_J2A, S_J2B, S_N1A, S_N1B = 7, 8, 9, 10
+SCALARS = 16
+
+
+def smem_layout(plan: GroupedPlan, stages: int, gatherers: int, slots: int = 0) -> SmemLayout:
+    """The shared-memory layout at ``stages`` weight stages."""
+    w = GROUP
+    offset = 0
+
+    def take(size: int, align: int = 16) -> int:
+        nonlocal offset
+        offset = ceil_div(offset, align) * align
+        start = offset
+        offset += size
+        return start
+
+    a_bytes = DEPTH * STAGE_BYTES
+    b_bytes = DEPTH * w * TILE
+    # The scale ring and stage words are read up to ``stages + slots`` stages
+    # after they are written (and one more on sm_90a, whose consumer frees a
+    # stage before its epilogue reads the scales).
+    ring = slots + stages + 2
+    posts = slots + stages + 2
+    bars = 2 * stages + 2 * slots + posts
+    off = {}
+    off["w"] = take(stages * a_bytes, 1024)
+    off["b"] = take(stages * b_bytes, 1024)
+    off["ring"] = take(ring * DEPTH * w * 4)
+    off["hs"] = take(gatherers * w * plan.nk2 * 4)
+    off["amax"] = take(4 * w * 4)
+    off["picks"] = take(plan.routes * 4)
+    off["mask"] = take(plan.experts * 8)
+    off["eoff"] = take(plan.experts * 4)
+    off["uexp"] = take(plan.max_units * 4)
+    off["uoff"] = take(plan.max_units * 4 + 4)
+    off["ucnt"] = take(plan.max_units * 4)
+    off["flat"] = take((plan.routes + plan.tokens) * 4)
+    off["scal"] = take(SCALARS * 4)
+    off["desc"] = take(posts * 4)
+    off["bar"] = take(bars * 8, 8)
+    off["tmem"] = take(16)
+    total = ceil_div(offset, 1024) * 1024
+    return SmemLayout(
+        stages=stages, slots=slots, gatherers=gatherers, ring=ring, posts=posts, bars=bars,
+        a_bytes=a_bytes, b_bytes=b_bytes, total=total,
+        **{"off_" + k: v for k, v in off.items()},
+    )  # fmt: skip
+
+
+def fit_layout(plan: GroupedPlan, arch: str, gatherers: int, slots: int = 0) -> SmemLayout:
+    """The deepest layout (MAX_STAGES down to MIN_STAGES stages) that fits
+    ``arch``'s shared-memory limit."""
+    limit = SMEM_LIMIT[arch]
+    for stages in range(MAX_STAGES, MIN_STAGES - 1, -1):
+        layout = smem_layout(plan, stages, gatherers, slots)
+        if layout.total <= limit:
+            return layout
+    need = smem_layout(plan, MIN_STAGES, gatherers, slots).total
+    raise ValueError(f"{MIN_STAGES} stages need {need} B of shared memory; {arch} allows {limit}")
+
+
+# Stage ranges and ownership (mirrors of the device code) ------------------------------
+
+
+@dataclass(frozen=True)
+class Ranges:
+    """One CTA's FC1 stage ranges in halves A and B and the FC2 job counts."""
+
+    units: int
+    split: int  # units of half A
+    s1a: int  # FC1 stages of half A (all CTAs)
+    s1b: int
+    lo1a: int  # this CTA's first stage in half A
+    lo1b: int
+    n1a: int  # this CTA's stage count in half A
+    n1b: int
+    j2a: int  # FC2 jobs of half A (claimed at run time)
+    j2b: int
+
+
+def ranges(plan: GroupedPlan, units: int, cta: int) -> Ranges:
+    split = (units + 1) // 2 if units > SPLIT_UNITS else units
+    s1a = split * plan.unit1
+    s1b = (units - split) * plan.unit1
+    g = plan.grid
+    lo1a, lo1b = cta * s1a // g, cta * s1b // g
+    return Ranges(
+        units=units, split=split, s1a=s1a, s1b=s1b, lo1a=lo1a, lo1b=lo1b,
+        n1a=(cta + 1) * s1a // g - lo1a, n1b=(cta + 1) * s1b // g - lo1b,
+        j2a=split * plan.tiles2, j2b=(units - split) * plan.tiles2,
+    )  # fmt: skip
+
+
+def owner(s: int, size: int, grid: int) -> int:
+    """The CTA whose range of a ``size``-stage half holds stage ``s``."""
+    return ((s + 1) * grid - 1) // size
+
+
+def locate(plan: GroupedPlan, r: Ranges, n: int) -> tuple[int, int, int, int, int]:
+    """(half, unit, row tile, K block, stage index in its half) of a CTA's
+    n-th FC1 stage: stage q of a unit holds K blocks DEPTH * ((q % span) // 2)
+    on of pair q // span, its up tile (even q) or gate tile (odd q)."""
+    if n < r.n1a:
+        half, s = 0, r.lo1a + n
+        unit = s // plan.unit1
+    else:
+        half, s = 1, r.lo1b + n - r.n1a
+        unit = r.split + s // plan.unit1
+    q = s % plan.unit1
+    tile = q // plan.span + plan.pairs * (q % 2)
+    kb = DEPTH * ((q % plan.span) // 2)
+    return half, unit, tile, kb, s
+
+
+def pack(fc2: bool, half: int, unit: int, tile: int, kb: int, opens: bool, closes: bool) -> int:
+    assert 0 <= unit < 1 << UNIT_BITS and 0 <= tile < 1 << TILE_BITS and 0 <= kb < 1 << KB_BITS
+    return (
+        unit | tile << SHIFT_TILE | kb << SHIFT_KB | int(fc2) << BIT_FC2 | half << BIT_HALF
+        | int(opens) << BIT_OPENS | int(closes) << BIT_CLOSES
+    )  # fmt: skip
+
+
+def unpack(word: int) -> tuple[bool, int, int, int, int, bool, bool]:
+    """(FC2, half, unit, row tile, K block, opens, closes) of a stage word."""
+    return (
+        bool(word >> BIT_FC2 & 1), word >> BIT_HALF & 1, word & (1 << UNIT_BITS) - 1,
+        word >> SHIFT_TILE & (1 << TILE_BITS) - 1, word >> SHIFT_KB & (1 << KB_BITS) - 1,
+        bool(word >> BIT_OPENS & 1), bool(word >> BIT_CLOSES & 1),
+    )  # fmt: skip
+
+
+def describe(plan: GroupedPlan, r: Ranges, n: int) -> int:
+    """A CTA's n-th FC1 stage word. A piece of a pair opens at the pair's
+    first stage or the start of the CTA's range in a half, and closes at the
+    pair's last stage or the end of the range."""
+    half, unit, tile, kb, s = locate(plan, r, n)
+    n1 = r.n1a + r.n1b
+    opens = n == 0 or n == r.n1a or s % plan.span == 0
+    closes = n == r.n1a - 1 or n == n1 - 1 or s % plan.span == plan.span - 1
+    return pack(False, half, unit, tile, kb, opens, closes)
+
+
+def fc2_words(plan: GroupedPlan, unit: int, tile: int) -> list[int]:
+    """The stage words of FC2 job (unit, output row tile)."""
+    return [
+        pack(True, 0, unit, tile, DEPTH * k, k == 0, k == plan.job - 1) for k in range(plan.job)
+    ]
+
+
+def job_of(plan: GroupedPlan, r: Ranges, half: int, job: int) -> tuple[int, int]:
+    """(unit, output row tile) of FC2 job ``job`` of ``half``."""
+    first = 0 if half == 0 else r.split
+    return first + job // plan.tiles2, job % plan.tiles2
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A CTA's contiguous piece of one pair (a close_pair event)."""
+
+    half: int
+    unit: int
+    pair: int
+    first: int  # stage index in its half
+    last: int
+    role: str  # "whole" | "publish" | "own"
+    pieces_before: int  # for "own": partials it waits for (last - first CTA)
+
+
+def close_pair(plan: GroupedPlan, r: Ranges, cta: int, n_open: int, n: int) -> Piece:
+    """What a CTA does at the close of its piece (stages n_open..n) of a pair."""
+    half, unit, _, _, s = locate(plan, r, n)
+    start = s - (n - n_open)
+    base = s - s % plan.span
+    pair = s % plan.unit1 // plan.span
+    if start == base and s == base + plan.span - 1:
+        return Piece(half, unit, pair, start, s, "whole", 0)
+    size = r.s1a if half == 0 else r.s1b
+    first = owner(base, size, plan.grid)
+    last = owner(base + plan.span - 1, size, plan.grid)
+    if cta != first:
+        return Piece(half, unit, pair, start, s, "publish", 0)
+    return Piece(half, unit, pair, start, s, "own", last - first)
+
+
+def pieces(plan: GroupedPlan, units: int, cta: int) -> list[Piece]:
+    """Every pair piece of a CTA's FC1 ranges, in stage order."""
+    r = ranges(plan, units, cta)
+    out, opened = [], 0
+    for n in range(r.n1a + r.n1b):
+        fc2, *_, opens, closes = unpack(describe(plan, r, n))
+        assert not fc2
+        if opens:
+            opened = n
+        if closes:
+            out.append(close_pair(plan, r, cta, opened, n))
+    return out
+
+
+# Unit numbering (mirror of the device code) -------------------------------------------
+
+
+@dataclass(frozen=True)
+class Units:
+    """Unit tables of one call: expert (-1: shared), first row in ``flat``
+    and token count of every unit; ``flat`` lists the shared expert's tokens
+    (0..M-1), then each routed expert's routes (token * top_k + k) in token
+    order, expert ``e``'s from row ``eoff[e]``."""
+
+    uexp: list[int]
+    uoff: list[int]  # len(units) + 1: the last is the end of ``flat``
+    ucnt: list[int]
+    flat: list[int]
+    eoff: list[int]
+
+    def __len__(self) -> int:
+        return len(self.uexp)
+
+    def tokens(self, unit: int, top_k: int) -> list[int]:
+        """The unit's tokens in column order."""
+        rows = self.flat[self.uoff[unit] : self.uoff[unit] + self.ucnt[unit]]
+        return rows if self.uexp[unit] < 0 else [r // top_k for r in rows]
+
+
+def number_units(plan: GroupedPlan, ids: list[list[int]]) -> Units:
+    """Unit tables for ``ids`` [tokens][top_k] (the routing's experts)."""
+    tokens, k = plan.tokens, plan.top_k
+    assert len(ids) == tokens and all(len(row) == k for row in ids)
+    routes_of = [[] for _ in range(plan.experts)]
+    for t in range(tokens):
+        for j in range(k):
+            routes_of[ids[t][j]].append(t * k + j)
+    uexp, uoff, ucnt = [], [], []
+    for i in range(plan.shared_units):
+        uexp.append(-1)
+        uoff.append(i * GROUP)
+        ucnt.append(min(tokens - i * GROUP, GROUP))
+    flat, eoff = list(range(tokens)), []
+    for e in range(plan.experts):
+        eoff.append(len(flat))
+        mine = routes_of[e]
+        for i in range(0, len(mine), GROUP):
+            uexp.append(e)
+            uoff.append(len(flat) + i)
+            ucnt.append(min(len(mine) - i, GROUP))
+        flat += mine
+    uoff.append(len(flat))
+    return Units(uexp, uoff, ucnt, flat, eoff)

@@ -1,0 +1,307 @@
+"""The grouped kernel's host formulas against brute-force enumeration."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from kernels import grouped_plan as gp
+from kernels.shapes import MAX_TOKENS, TILE
+
+GLM5 = dict(hidden=4096, inter=512, experts=288, top_k=8)
+
+
+def plan(tokens=64, grid=132, **kw):
+    return gp.GroupedPlan(**{**GLM5, **kw}, tokens=tokens, grid=grid)
+
+
+# unit_capacity ---------------------------------------------------------------------
+
+
+def degree_sequences(experts, tokens, routes):
+    """Every feasible per-expert route count: 0..tokens each, summing to routes."""
+    for counts in itertools.product(range(tokens + 1), repeat=experts - 1):
+        last = routes - sum(counts)
+        if 0 <= last <= tokens:
+            yield (*counts, last)
+
+
+def routing_of(counts, tokens, top_k):
+    """A routing (each token top_k distinct experts) with these route counts:
+    fill token slots column by column (a count <= tokens never lands twice
+    on one token)."""
+    slots = [[] for _ in range(tokens)]
+    i = 0
+    for e, n in enumerate(counts):
+        for _ in range(n):
+            slots[i % tokens].append(e)
+            i += 1
+    assert all(len(s) == top_k and len(set(s)) == top_k for s in slots)
+    return slots
+
+
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 16])
+@pytest.mark.parametrize(
+    "experts,top_k,tokens", [(4, 1, 5), (4, 2, 6), (5, 3, 7), (3, 3, 4), (4, 4, 3), (6, 2, 9)]
+)
+def test_unit_capacity_is_the_max_over_routings(group, experts, top_k, tokens):
+    best = max(
+        sum(gp.ceil_div(n, group) for n in counts)
+        for counts in degree_sequences(experts, tokens, tokens * top_k)
+    )
+    assert gp.unit_capacity(experts, top_k, tokens, group) == gp.ceil_div(tokens, group) + best
+
+
+@pytest.mark.parametrize("tokens", [8, 16, 17, 32, 48, 64])
+def test_unit_capacity_is_reached(tokens):
+    """An adversarial routing of the real shape has exactly capacity units
+    (greedy: one route per expert, then 16 more routes per extra unit)."""
+    p = plan(tokens=tokens)
+    routes, experts = p.routes, p.experts
+    counts = [1] * min(routes, experts) + [0] * max(0, experts - routes)
+    left = routes - sum(counts)
+    for e in itertools.cycle(range(experts)):
+        if left < gp.GROUP:
+            break
+        if counts[e] + gp.GROUP <= tokens:
+            counts[e] += gp.GROUP
+            left -= gp.GROUP
+    e = 0
+    while left:  # leftovers onto experts that keep their unit count
+        room = min(left, tokens - counts[e], -counts[e] % gp.GROUP)
+        counts[e] += room
+        left -= room
+        e += 1
+    units = gp.number_units(p, routing_of(counts, tokens, p.top_k))
+    assert len(units) == p.max_units
+    assert p.max_units <= gp.unit_capacity(p.experts, p.top_k)  # MAX_TOKENS sizing
+
+
+# Unit numbering --------------------------------------------------------------------
+
+
+def random_routing(p, rng, skew):
+    weights = [rng.random() ** skew for _ in range(p.experts)]
+    ids = []
+    for _ in range(p.tokens):
+        picked = set()
+        while len(picked) < p.top_k:
+            picked.add(rng.choices(range(p.experts), weights)[0])
+        row = list(picked)
+        rng.shuffle(row)
+        ids.append(row)
+    return ids
+
+
+@pytest.mark.parametrize("tokens,skew", [(8, 1), (16, 1), (32, 8), (48, 20), (64, 1), (64, 30)])
+def test_number_units(tokens, skew):
+    rng = random.Random(tokens * 1000 + skew)
+    p = plan(tokens=tokens)
+    ids = random_routing(p, rng, skew)
+    u = gp.number_units(p, ids)
+    assert len(u) <= p.max_units
+    # The shared expert's units first, covering every token in order.
+    shared = [t for i in range(p.shared_units) for t in u.tokens(i, p.top_k)]
+    assert shared == list(range(tokens)) and set(u.uexp[: p.shared_units]) == {-1}
+    # Routed units: experts ascending, each full but its last, tokens ascending,
+    # and every route in exactly one unit.
+    seen = []
+    for i in range(p.shared_units, len(u)):
+        e, rows = u.uexp[i], u.flat[u.uoff[i] : u.uoff[i] + u.ucnt[i]]
+        assert 1 <= u.ucnt[i] <= gp.GROUP and u.uoff[i + 1] == u.uoff[i] + u.ucnt[i]
+        assert all(ids[r // p.top_k][r % p.top_k] == e for r in rows)
+        assert rows == sorted(rows)
+        if i + 1 < len(u) and u.uexp[i + 1] == e:
+            assert u.ucnt[i] == gp.GROUP
+        seen += rows
+    assert sorted(seen) == list(range(p.routes))
+    assert u.uexp[p.shared_units :] == sorted(u.uexp[p.shared_units :])
+    assert all(u.flat[u.eoff[e]] // p.top_k >= 0 for e in set(u.uexp) - {-1})
+    assert len(u) == p.shared_units + sum(
+        gp.ceil_div(sum(row.count(e) for row in ids), gp.GROUP) for e in range(p.experts)
+    )
+
+
+# Ranges, ownership and the FC1 cover -------------------------------------------------
+
+
+@pytest.mark.parametrize("size", [1, 5, 127, 128, 131, 132, 133, 1000, 5120, 39168])
+@pytest.mark.parametrize("grid", [1, 7, 132, 148])
+def test_owner_agrees_with_ranges(size, grid):
+    lo = [c * size // grid for c in range(grid + 1)]
+    for s in range(size):
+        c = gp.owner(s, size, grid)
+        assert lo[c] <= s < lo[c + 1]
+
+
+def check_cover(p, units):
+    """Every FC1 stage of every unit once, in the right half; pair pieces
+    consistent: one finisher per pair, publishers = the owner's wait count,
+    at most one published partial per CTA and half (the ``partial``
+    workspace), publish first and own last in a CTA's half."""
+    seen = {}
+    finishers, publishers, waits = {}, {}, {}
+    for cta in range(p.grid):
+        r = gp.ranges(p, units, cta)
+        for n in range(r.n1a + r.n1b):
+            word = gp.describe(p, r, n)
+            fc2, half, unit, tile, kb, _, _ = gp.unpack(word)
+            assert not fc2 and (half == 1) == (unit >= r.split)
+            key = (unit, tile, kb)
+            assert key not in seen, key
+            seen[key] = cta
+            for d in range(gp.DEPTH):  # the stage's K blocks stay in range
+                assert kb + d < p.nk1
+        per_half = {0: [], 1: []}
+        for piece in gp.pieces(p, units, cta):
+            per_half[piece.half].append(piece)
+            pair = (piece.unit, piece.pair)
+            if piece.role == "publish":
+                publishers[pair] = publishers.get(pair, 0) + 1
+            else:
+                assert pair not in finishers
+                finishers[pair] = cta
+                waits[pair] = piece.pieces_before
+        for half_pieces in per_half.values():
+            published = [i for i, x in enumerate(half_pieces) if x.role == "publish"]
+            owned = [i for i, x in enumerate(half_pieces) if x.role == "own"]
+            assert published in ([], [0])
+            assert owned in ([], [len(half_pieces) - 1])
+    expected = {
+        (unit, tile, kb)
+        for unit in range(units)
+        for tile in range(2 * p.pairs)
+        for kb in range(0, p.nk1, gp.DEPTH)
+    }
+    assert set(seen) == expected
+    assert set(finishers) == {(u, q) for u in range(units) for q in range(p.pairs)}
+    for pair, count in waits.items():
+        assert publishers.get(pair, 0) == count
+    # The owner holds the pair's first stage.
+    for (unit, q), cta in finishers.items():
+        assert seen[(unit, q, 0)] == cta
+
+
+@pytest.mark.parametrize(
+    "units,grid", [(1, 132), (2, 132), (5, 132), (40, 132), (41, 132), (60, 148), (306, 132)]
+)
+def test_fc1_stages_covered_once(units, grid):
+    check_cover(plan(grid=grid), units)
+
+
+def test_fc1_cover_small_shapes():
+    """Tiny shapes where pieces are long and short against the pair span."""
+    for hidden, inter, grid, units in [(256, 256, 3, 1), (512, 256, 5, 3), (1024, 512, 7, 45)]:
+        p = gp.GroupedPlan(hidden, inter, 32, 2, 16, grid)
+        check_cover(p, units)
+
+
+@pytest.mark.parametrize("units", [1, 40, 41, 306])
+def test_fc2_jobs_cover_every_unit_tile(units):
+    p = plan()
+    r = gp.ranges(p, units, 0)
+    got = [gp.job_of(p, r, 0, j) for j in range(r.j2a)]
+    got += [gp.job_of(p, r, 1, j) for j in range(r.j2b)]
+    assert sorted(got) == [(u, t) for u in range(units) for t in range(p.tiles2)]
+    words = gp.fc2_words(p, 3, 7)
+    assert len(words) == p.job and p.job * gp.DEPTH == p.nk2
+    parts = [gp.unpack(w) for w in words]
+    assert [x[4] for x in parts] == list(range(0, p.nk2, gp.DEPTH))
+    assert parts[0][5] and parts[-1][6] and all(x[0] and x[2:4] == (3, 7) for x in parts)
+
+
+def test_pack_roundtrip_and_end():
+    rng = random.Random(1)
+    for _ in range(2000):
+        fields = (
+            bool(rng.getrandbits(1)), rng.getrandbits(1), rng.getrandbits(gp.UNIT_BITS),
+            rng.getrandbits(gp.TILE_BITS), rng.getrandbits(gp.KB_BITS),
+            bool(rng.getrandbits(1)), bool(rng.getrandbits(1)),
+        )  # fmt: skip
+        word = gp.pack(*fields)
+        assert gp.unpack(word) == fields and word != gp.END
+
+
+# Call parity ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("grid", [1, 2, 5, 132])
+def test_call_parity_under_any_interleaving(grid):
+    """Within a call, a CTA reads the counter after any number (< grid) of
+    the others have counted; each call must see parity = call % 2."""
+    rng = random.Random(grid)
+    calls = 0
+    for call in range(50):
+        order = list(range(grid))
+        rng.shuffle(order)
+        counted, started = set(), []
+        for cta in order:
+            # CTAs that read before this one may have finished (a CTA counts
+            # at its end, after its read).
+            for other in rng.sample(started, rng.randint(0, len(started))):
+                if other not in counted:
+                    counted.add(other)
+                    calls = gp.count_call(calls, grid)
+            assert gp.call_parity(calls, grid) == call % 2
+            started.append(cta)
+        for other in order:
+            if other not in counted:
+                calls = gp.count_call(calls, grid)
+        assert calls == (call + 1) % 2 * grid
+
+
+# Workspaces, counters and shared memory ------------------------------------------------
+
+
+def test_workspaces_and_counters():
+    p = plan()
+    c = p.counters
+    units = gp.unit_capacity(p.experts, p.top_k)
+    assert c.unit_ready == c.pairs + units * p.pairs
+    assert c.jobs == c.unit_ready + units and c.finished == c.jobs + 2 == c.words - 1
+    ws = {w.name: w for w in gp.workspaces(p.hidden, p.inter, p.experts, p.top_k, p.grid)}
+    assert [n for n in ws] == ["plan_x", "plan_s", "hidden", "hscale", "partial", "counters"]
+    assert ws["counters"].zero and not any(w.zero for n, w in ws.items() if n != "counters")
+    assert ws["counters"].bytes == 4 * (2 * c.words + 1)
+    assert ws["plan_x"].bytes == MAX_TOKENS * p.hidden
+    assert ws["hidden"].bytes == units * gp.GROUP * p.inter
+    # Every bucket's tables fit the MAX_TOKENS-sized workspaces.
+    for tokens in (8, 16, 32, 48, 64):
+        assert plan(tokens=tokens).max_units <= units
+
+
+@pytest.mark.parametrize("arch,grid,slots", [("sm_90a", 132, 0), ("sm_100a", 148, 4)])
+@pytest.mark.parametrize("tokens", [8, 16, 32, 48, 64])
+def test_smem_layout(arch, grid, slots, tokens):
+    p = plan(tokens=tokens, grid=grid)
+    layout = gp.fit_layout(p, arch, gatherers=3, slots=slots)
+    assert gp.MIN_STAGES <= layout.stages <= gp.MAX_STAGES
+    assert layout.total <= gp.SMEM_LIMIT[arch]
+    if layout.stages < gp.MAX_STAGES:
+        deeper = gp.smem_layout(p, layout.stages + 1, 3, slots)
+        assert deeper.total > gp.SMEM_LIMIT[arch]
+    regions = layout.regions()
+    assert layout.off_w % 1024 == 0 and layout.off_b % 1024 == 0 and layout.off_bar % 8 == 0
+    sizes = dict(
+        w=layout.stages * layout.a_bytes, b=layout.stages * layout.b_bytes,
+        ring=layout.ring * gp.DEPTH * gp.GROUP * 4, picks=p.routes * 4,
+        mask=p.experts * 8, flat=(p.routes + p.tokens) * 4, bar=layout.bars * 8,
+    )  # fmt: skip
+    for name, offset, size in regions:
+        assert offset % 16 == 0 or name == "bar"
+        if name in sizes:
+            assert size >= sizes[name], name
+    assert [o for _, o, _ in regions] == sorted(o for _, o, _ in regions)
+    assert layout.a_bytes == gp.DEPTH * TILE * TILE
+
+
+def test_plan_refuses_unservable_shapes():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        gp.GroupedPlan(4096, 512, 100, 8, 64, 132)
+    with pytest.raises(ValueError, match="tokens"):
+        gp.GroupedPlan(4096, 512, 288, 8, 65, 132)
+    with pytest.raises(ValueError, match="multiples of 256"):
+        gp.GroupedPlan(4096, 384, 288, 8, 64, 132)
+    assert gp.plan_problems(4096, 512, 288, 8, 64) == []
