@@ -1,0 +1,187 @@
+"""Architecture-independent device functions of the MoE kernels: routing,
+activation quantization, clamped SwiGLU, the hidden block's FP8 code and the
+physical -> logical row map. Every kernel (both mega kernels, both grouped
+kernels, sm_90a and sm_100a) calls these, so the H200 tests exercise the same
+code the sm_100a cubins contain. The math is ``shared/design/semantics.md``'s.
+
+Units: global addresses are ``Int64`` bytes; ``lane`` is the lane in the warp.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64, Uint32
+
+from kernels import ptx
+
+TILE = 128  # K blocks, scale blocks and row tiles
+FP8_MAX = 448.0  # largest finite e4m3
+SCALE_FLOOR = 1e-10  # amax floor of every quantization scale
+LOG2E = 1.4426950408889634
+
+
+# -- float helpers -------------------------------------------------------------------------
+
+
+def sigmoid(x: Float32) -> Float32:
+    """1 / (1 + e^-x) with ``ex2.approx`` and ``rcp.approx`` (a few ulp; the
+    reference's exact sigmoid can flip only near-tied routing picks)."""
+    return ptx.rcp_approx(Float32(1.0) + ptx.ex2_approx(x * Float32(-LOG2E)))
+
+
+def ue8m0_round(scale: Float32) -> Float32:
+    """``2^ceil(log2(max(scale, 1e-10)))`` for a positive scale: the exponent
+    field plus one when any mantissa bit is set."""
+    bits = ptx.float_bits(cute.arch.fmax(scale, Float32(SCALE_FLOOR)))
+    exponent = (bits >> 23) + Uint32((bits & Uint32(0x7FFFFF)) != Uint32(0))
+    return ptx.bits_float(exponent << 23)
+
+
+def hidden_scale(amax: Float32) -> Float32:
+    """The hidden block's FP8 scale, ``max(amax, 1e-10) / 448`` (IEEE division,
+    never UE8M0-rounded)."""
+    return ptx.div_rn(cute.arch.fmax(amax, Float32(SCALE_FLOOR)), Float32(FP8_MAX))
+
+
+def fp8_code(value: Float32, scale: Float32) -> Uint32:
+    """The e4m3 byte of ``value / scale`` (IEEE division, round to nearest
+    even, saturating) in the low byte of a word."""
+    zero = Float32(0.0)
+    return ptx.cvt_e4m3x4(ptx.div_rn(value, scale), zero, zero, zero) & Uint32(0xFF)
+
+
+@cute.jit
+def group_amax(value: Float32, lanes: cutlass.Constexpr[int]) -> Float32:
+    """Max over groups of ``lanes`` consecutive lanes (a power of two <= 32,
+    groups aligned) of ``value`` (butterfly shuffles; every lane gets it)."""
+    result = value
+    for i in cutlass.range_constexpr(lanes.bit_length() - 1):
+        result = cute.arch.fmax(result, cute.arch.shuffle_sync_bfly(result, offset=1 << i, mask=-1))
+    return result
+
+
+# -- routing -------------------------------------------------------------------------------
+
+
+@cute.jit
+def route_token(
+    logits: Int64,
+    bias: Int64,
+    lane: Int32,
+    experts: cutlass.Constexpr[int],
+    top_k: cutlass.Constexpr[int],
+    scale: cutlass.Constexpr[float],
+    logits_bf16: cutlass.Constexpr[bool],
+):
+    """Routes one token with one warp: returns ``(expert, weight)`` where lane
+    k < top_k holds route k (selection order, best first); other lanes hold
+    junk.
+
+    ``logits``: address of the token's row of ``experts`` router logits (FP32,
+    or BF16 when ``logits_bf16``); ``bias``: address of the FP32 [experts]
+    score-correction bias. Scores ``s = sigmoid(logit)`` (FP32); the top_k
+    largest ``s + bias`` win, ties to the lower expert (a uint32 order key,
+    ``redux.sync`` max, then min expert among the lanes holding the max);
+    ``weight_k = s_k / sum_j s_j * scale`` (sum in selection order). Lane l
+    holds experts l + 32 j, so ``experts`` must be a multiple of 32. Issue it
+    after ``griddepcontrol.wait`` (it reads inputs)."""
+    per = experts // 32
+    scores = cute.make_rmem_tensor(cute.make_layout((per,)), Float32)
+    offsets = cute.make_rmem_tensor(cute.make_layout((per,)), Float32)
+    keys = cute.make_rmem_tensor(cute.make_layout((per,)), Uint32)
+    # Every load first: interleaved with the sigmoids they would serialize.
+    for j in cutlass.range_constexpr(per):
+        expert = Int64(j * 32 + lane)
+        if cutlass.const_expr(logits_bf16):
+            scores[j] = ptx.bf16_low(ptx.ld_global_nc_u16(logits + expert * 2))
+        else:
+            scores[j] = ptx.ld_global_nc_f32(logits + expert * 4)
+        offsets[j] = ptx.ld_global_nc_f32(bias + expert * 4)
+    for j in cutlass.range_constexpr(per):
+        scores[j] = sigmoid(scores[j])
+        keys[j] = ptx.float_order_key(scores[j] + offsets[j])
+    total = Float32(0.0)
+    mine = Int32(0)
+    picked = Float32(0.0)
+    for r in cutlass.range_constexpr(top_k):
+        best = keys[0]
+        for j in cutlass.range_constexpr(1, per):
+            best = cutlass.max(best, keys[j])
+        top = ptx.redux_max_u32(best)
+        candidate = Uint32(0xFFFFFFFF)
+        for j in cutlass.range_constexpr(per - 1, -1, -1):
+            if keys[j] == top:
+                candidate = Uint32(j * 32) + Uint32(lane)
+        winner = Int32(ptx.redux_min_u32(candidate))
+        score = Float32(0.0)
+        for j in cutlass.range_constexpr(per):
+            if winner == j * 32 + lane:
+                score = scores[j]
+                keys[j] = Uint32(0)
+        score = cute.arch.shuffle_sync(score, winner % 32)
+        total = total + score
+        if lane == r:
+            mine = winner
+            picked = score
+    return mine, ptx.div_rn(picked, total) * Float32(scale)
+
+
+# -- quantization --------------------------------------------------------------------------
+
+
+@cute.jit
+def quantize_activations(values, lanes: cutlass.Constexpr[int], ue8m0: cutlass.Constexpr[bool]):
+    """FP8 quantization of one 128-column group of a token spread over
+    ``lanes`` consecutive lanes (aligned), each holding ``len(values)`` FP32
+    values (a register tensor; 128 = lanes * len(values)).
+
+    ``amax = max(1e-10, max|x|)``, ``sx = amax / 448`` (IEEE), rounded up to a
+    power of two with ``ue8m0``; codes ``e4m3(x / sx)`` (IEEE division, round to
+    nearest even, saturating). Returns ``(words, sx)``: a register tensor of
+    len(values) / 4 words, four codes each, the first value in the lowest
+    byte."""
+    n = cute.size(values)
+    amax = Float32(SCALE_FLOOR)
+    for v in cutlass.range_constexpr(n):
+        amax = ptx.fmax_abs(amax, values[v])
+    amax = group_amax(amax, lanes)
+    sx = ptx.div_rn(amax, Float32(FP8_MAX))
+    if cutlass.const_expr(ue8m0):
+        sx = ue8m0_round(sx)
+    words = cute.make_rmem_tensor(cute.make_layout((n // 4,)), Uint32)
+    for w in cutlass.range_constexpr(n // 4):
+        words[w] = ptx.cvt_e4m3x4(
+            ptx.div_rn(values[4 * w], sx),
+            ptx.div_rn(values[4 * w + 1], sx),
+            ptx.div_rn(values[4 * w + 2], sx),
+            ptx.div_rn(values[4 * w + 3], sx),
+        )
+    return words, sx
+
+
+def load_bf16x8(addr: Int64, values, first: int) -> None:
+    """Eight BF16 at 16-byte aligned ``addr`` into ``values[first:first + 8]``
+    as FP32 (one ``ld.global.nc.v4``)."""
+    words = ptx.ld_global_nc_v4_u32(addr)
+    for w in range(4):
+        values[first + 2 * w] = ptx.bf16_low(words[w])
+        values[first + 2 * w + 1] = ptx.bf16_high(words[w])
+
+
+# -- expert math ---------------------------------------------------------------------------
+
+
+def swiglu(gate: Float32, up: Float32, limit: float) -> Float32:
+    """Clamped SwiGLU: ``g = min(gate, limit)``, ``u = clamp(up, -limit,
+    limit)``, ``g * sigmoid(g) * u`` (no alpha, no +1)."""
+    lim = Float32(limit)
+    g = cute.arch.fmin(gate, lim)
+    u = cute.arch.fmax(cute.arch.fmin(up, lim), -lim)
+    return g * sigmoid(g) * u
+
+
+def logical_row(rows: Int64, physical) -> Int32:
+    """The logical row of ``physical`` through the int32 row table at ``rows``
+    (``runtime.layout.logical_rows``: rows are shuffled within 16-row groups)."""
+    return Int32(ptx.ld_global_nc_u32(rows + Int64(physical) * 4))

@@ -1,0 +1,70 @@
+"""Conversions: FP32 -> FP8 e4m3 / BF16 packing, BF16 -> FP32 unpacking and
+FP32 <-> bit-pattern casts."""
+
+from __future__ import annotations
+
+from cutlass import Float32, Uint32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from ._asm import asm
+
+
+@dsl_user_op
+def float_bits(value: Float32, *, loc=None, ip=None) -> Uint32:
+    """The IEEE bits of an FP32 value (a free bitcast)."""
+    return Uint32(llvm.bitcast(T.i32(), Float32(value).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
+
+
+@dsl_user_op
+def bits_float(bits: Uint32, *, loc=None, ip=None) -> Float32:
+    """The FP32 value of a bit pattern (a free bitcast)."""
+    return Float32(llvm.bitcast(T.f32(), Uint32(bits).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
+
+
+@dsl_user_op
+def cvt_e4m3x4(a, b, c, d, *, loc=None, ip=None) -> Uint32:
+    """Four FP32 values as four e4m3 bytes (``a`` in the lowest byte):
+    ``cvt.rn.satfinite.e4m3x2.f32`` twice (round to nearest even, saturating
+    at +-448; the first source of each cvt is its upper byte)."""
+    return asm(
+        "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; "
+        "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; mov.b32 $0, {lo, hi}; }",
+        "u", "ffff", (a, b, c, d), side_effects=False, loc=loc, ip=ip,
+    )  # fmt: skip
+
+
+@dsl_user_op
+def cvt_bf16x2(lo, hi, *, loc=None, ip=None) -> Uint32:
+    """Two FP32 values as two BF16 halves of one word (``lo`` in the low half):
+    ``cvt.rn.bf16x2.f32``."""
+    return asm("cvt.rn.bf16x2.f32 $0, $2, $1;", "u", "ff", (lo, hi), side_effects=False,
+               loc=loc, ip=ip)  # fmt: skip
+
+
+@dsl_user_op
+def cvt_bf16(value, *, loc=None, ip=None) -> Uint32:
+    """One FP32 value as BF16 bits in the low half of a word: ``cvt.rn.bf16.f32``."""
+    return asm("{ .reg .b16 h; cvt.rn.bf16.f32 h, $1; cvt.u32.u16 $0, h; }", "u", "f", (value,),
+               side_effects=False, loc=loc, ip=ip)  # fmt: skip
+
+
+def bf16_low(word: Uint32) -> Float32:
+    """The FP32 value of the BF16 in the low half of ``word`` (exact)."""
+    return bits_float(Uint32(word) << 16)
+
+
+def bf16_high(word: Uint32) -> Float32:
+    """The FP32 value of the BF16 in the high half of ``word`` (exact)."""
+    return bits_float(Uint32(word) & Uint32(0xFFFF0000))
+
+
+@dsl_user_op
+def float_order_key(value, *, loc=None, ip=None) -> Uint32:
+    """A uint32 key with the order of the FP32 ``value`` (larger float, larger
+    key; -0 < +0): flip every bit of a negative, only the sign of the rest.
+    Key 0 is a negative NaN's, below every number (a "taken" marker)."""
+    return asm(
+        "{ .reg .b32 m; shr.s32 m, $1, 31; or.b32 m, m, 0x80000000; xor.b32 $0, $1, m; }",
+        "u", "u", (float_bits(value, loc=loc, ip=ip),), side_effects=False, loc=loc, ip=ip,
+    )  # fmt: skip

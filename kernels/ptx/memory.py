@@ -1,0 +1,186 @@
+"""Loads, stores and atomics. Global addresses are ``Int64`` byte addresses
+(``tensor.iterator.toint()`` plus an offset), shared addresses ``Int32``.
+
+The plain global loads use ``.nc`` where the data is read-only for the whole
+kernel (inputs read after ``griddepcontrol.wait``); ordered accesses state
+their semantics and scope in the name.
+"""
+
+from __future__ import annotations
+
+from cutlass import Float32, Int32, Int64, Uint32
+from cutlass.cutlass_dsl import dsl_user_op
+
+from ._asm import asm
+
+# -- global, read-only inputs ---------------------------------------------------------------
+
+
+@dsl_user_op
+def ld_global_nc_u32(addr: Int64, *, loc=None, ip=None) -> Uint32:
+    """``ld.global.nc.b32``."""
+    return asm("ld.global.nc.b32 $0, [$1];", "u", "l", (addr,), memory=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def ld_global_nc_f32(addr: Int64, *, loc=None, ip=None) -> Float32:
+    """``ld.global.nc.f32``."""
+    return asm("ld.global.nc.f32 $0, [$1];", "f", "l", (addr,), memory=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def ld_global_nc_u16(addr: Int64, *, loc=None, ip=None) -> Uint32:
+    """``ld.global.nc.u16``, zero-extended (a BF16 in the low half)."""
+    return asm("ld.global.nc.u16 $0, [$1];", "u", "l", (addr,), memory=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def ld_global_nc_v4_u32(addr: Int64, *, loc=None, ip=None) -> tuple:
+    """``ld.global.nc.v4.b32`` (16-byte aligned): four words."""
+    return asm("ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];", "uuuu", "l", (addr,),
+               memory=True, loc=loc, ip=ip)  # fmt: skip
+
+
+# -- global, plain and ordered -------------------------------------------------------------
+
+
+@dsl_user_op
+def ld_global_u32(addr: Int64, *, loc=None, ip=None) -> Uint32:
+    """``ld.global.b32`` (weak)."""
+    return asm("ld.global.b32 $0, [$1];", "u", "l", (addr,), memory=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def ld_global_f32(addr: Int64, *, loc=None, ip=None) -> Float32:
+    """``ld.global.f32`` (weak)."""
+    return asm("ld.global.f32 $0, [$1];", "f", "l", (addr,), memory=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def ld_global_v4_u32(addr: Int64, *, loc=None, ip=None) -> tuple:
+    """``ld.global.v4.b32`` (weak, 16-byte aligned)."""
+    return asm("ld.global.v4.b32 {$0, $1, $2, $3}, [$4];", "uuuu", "l", (addr,),
+               memory=True, loc=loc, ip=ip)  # fmt: skip
+
+
+@dsl_user_op
+def ld_acquire_gpu_u32(addr: Int64, *, loc=None, ip=None) -> Uint32:
+    """``ld.acquire.gpu.global.b32``."""
+    return asm("ld.acquire.gpu.global.b32 $0, [$1];", "u", "l", (addr,), memory=True,
+               loc=loc, ip=ip)  # fmt: skip
+
+
+@dsl_user_op
+def ld_relaxed_gpu_u32(addr: Int64, *, loc=None, ip=None) -> Uint32:
+    """``ld.relaxed.gpu.global.b32`` (for polling; follow with an acquire fence)."""
+    return asm("ld.relaxed.gpu.global.b32 $0, [$1];", "u", "l", (addr,), memory=True,
+               loc=loc, ip=ip)  # fmt: skip
+
+
+@dsl_user_op
+def st_global_u32(addr: Int64, value, *, loc=None, ip=None) -> None:
+    """``st.global.b32``."""
+    asm("st.global.b32 [$0], $1;", "", "lu", (addr, value), memory=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def st_global_f32(addr: Int64, value, *, loc=None, ip=None) -> None:
+    """``st.global.f32``."""
+    asm("st.global.f32 [$0], $1;", "", "lf", (addr, value), memory=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def st_global_u16(addr: Int64, value, *, loc=None, ip=None) -> None:
+    """``st.global.b16`` of the low half of ``value`` (a BF16 store)."""
+    asm("{ .reg .b16 h; cvt.u16.u32 h, $1; st.global.b16 [$0], h; }", "", "lu", (addr, value),
+        memory=True, loc=loc, ip=ip)  # fmt: skip
+
+
+@dsl_user_op
+def st_global_v4_u32(addr: Int64, v0, v1, v2, v3, *, loc=None, ip=None) -> None:
+    """``st.global.v4.b32`` (16-byte aligned)."""
+    asm("st.global.v4.b32 [$0], {$1, $2, $3, $4};", "", "luuuu", (addr, v0, v1, v2, v3),
+        memory=True, loc=loc, ip=ip)  # fmt: skip
+
+
+@dsl_user_op
+def st_release_gpu_u32(addr: Int64, value, *, loc=None, ip=None) -> None:
+    """``st.release.gpu.global.b32``."""
+    asm("st.release.gpu.global.b32 [$0], $1;", "", "lu", (addr, value), memory=True,
+        loc=loc, ip=ip)  # fmt: skip
+
+
+@dsl_user_op
+def atom_add_release_gpu_u32(addr: Int64, value, *, loc=None, ip=None) -> Uint32:
+    """``atom.release.gpu.global.add.u32``: returns the old value."""
+    return asm("atom.release.gpu.global.add.u32 $0, [$1], $2;", "u", "lu", (addr, value),
+               memory=True, loc=loc, ip=ip)  # fmt: skip
+
+
+@dsl_user_op
+def atom_add_acq_rel_gpu_u32(addr: Int64, value, *, loc=None, ip=None) -> Uint32:
+    """``atom.acq_rel.gpu.global.add.u32``: returns the old value."""
+    return asm("atom.acq_rel.gpu.global.add.u32 $0, [$1], $2;", "u", "lu", (addr, value),
+               memory=True, loc=loc, ip=ip)  # fmt: skip
+
+
+@dsl_user_op
+def red_add_release_gpu_u32(addr: Int64, value, *, loc=None, ip=None) -> None:
+    """``red.release.gpu.global.add.u32``."""
+    asm("red.release.gpu.global.add.u32 [$0], $1;", "", "lu", (addr, value), memory=True,
+        loc=loc, ip=ip)  # fmt: skip
+
+
+@dsl_user_op
+def red_add_f32(addr: Int64, value, *, loc=None, ip=None) -> None:
+    """``red.relaxed.gpu.global.add.f32``."""
+    asm("red.relaxed.gpu.global.add.f32 [$0], $1;", "", "lf", (addr, value), memory=True,
+        loc=loc, ip=ip)  # fmt: skip
+
+
+# -- shared --------------------------------------------------------------------------------
+
+
+@dsl_user_op
+def ld_shared_u32(addr: Int32, *, loc=None, ip=None) -> Uint32:
+    """``ld.shared.b32``."""
+    return asm("ld.shared.b32 $0, [$1];", "u", "r", (addr,), memory=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def ld_shared_f32(addr: Int32, *, loc=None, ip=None) -> Float32:
+    """``ld.shared.f32``."""
+    return asm("ld.shared.f32 $0, [$1];", "f", "r", (addr,), memory=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def ld_shared_v4_u32(addr: Int32, *, loc=None, ip=None) -> tuple:
+    """``ld.shared.v4.b32`` (16-byte aligned)."""
+    return asm("ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", "uuuu", "r", (addr,),
+               memory=True, loc=loc, ip=ip)  # fmt: skip
+
+
+@dsl_user_op
+def st_shared_u32(addr: Int32, value, *, loc=None, ip=None) -> None:
+    """``st.shared.b32``."""
+    asm("st.shared.b32 [$0], $1;", "", "ru", (addr, value), memory=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def st_shared_f32(addr: Int32, value, *, loc=None, ip=None) -> None:
+    """``st.shared.f32``."""
+    asm("st.shared.f32 [$0], $1;", "", "rf", (addr, value), memory=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def st_shared_u8(addr: Int32, value, *, loc=None, ip=None) -> None:
+    """``st.shared.b8`` of the low byte of ``value``."""
+    asm("{ .reg .b16 h; cvt.u16.u32 h, $1; st.shared.b8 [$0], h; }", "", "ru", (addr, value),
+        memory=True, loc=loc, ip=ip)  # fmt: skip
+
+
+@dsl_user_op
+def st_shared_v4_u32(addr: Int32, v0, v1, v2, v3, *, loc=None, ip=None) -> None:
+    """``st.shared.v4.b32`` (16-byte aligned)."""
+    asm("st.shared.v4.b32 [$0], {$1, $2, $3, $4};", "", "ruuuu", (addr, v0, v1, v2, v3),
+        memory=True, loc=loc, ip=ip)  # fmt: skip
