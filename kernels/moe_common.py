@@ -137,7 +137,8 @@ def quantize_activations(values, lanes: cutlass.Constexpr[int], ue8m0: cutlass.C
     values (a register tensor; 128 = lanes * len(values)).
 
     ``amax = max(1e-10, max|x|)``, ``sx = amax / 448`` (IEEE), rounded up to a
-    power of two with ``ue8m0``; codes ``e4m3(x / sx)`` (IEEE division, round to
+    power of two with ``ue8m0``; codes ``e4m3(x * (1 / sx))`` (the correctly
+    rounded reciprocal, as the seeds and ``runtime.reference`` do; round to
     nearest even, saturating). Returns ``(words, sx)``: a register tensor of
     len(values) / 4 words, four codes each, the first value in the lowest
     byte."""
@@ -149,13 +150,14 @@ def quantize_activations(values, lanes: cutlass.Constexpr[int], ue8m0: cutlass.C
     sx = ptx.div_rn(amax, Float32(FP8_MAX))
     if cutlass.const_expr(ue8m0):
         sx = ue8m0_round(sx)
+    inverse = ptx.div_rn(Float32(1.0), sx)
     words = cute.make_rmem_tensor(cute.make_layout((n // 4,)), Uint32)
     for w in cutlass.range_constexpr(n // 4):
         words[w] = ptx.cvt_e4m3x4(
-            ptx.div_rn(values[4 * w], sx),
-            ptx.div_rn(values[4 * w + 1], sx),
-            ptx.div_rn(values[4 * w + 2], sx),
-            ptx.div_rn(values[4 * w + 3], sx),
+            ptx.mul_rn(values[4 * w], inverse),
+            ptx.mul_rn(values[4 * w + 1], inverse),
+            ptx.mul_rn(values[4 * w + 2], inverse),
+            ptx.mul_rn(values[4 * w + 3], inverse),
         )
     return words, sx
 

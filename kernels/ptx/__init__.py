@@ -12,7 +12,7 @@ module             instructions
                    commit / wait, the 128B-swizzle smem descriptor
 ``cluster``        ``%cluster_ctarank``, ``mapa``, cluster barrier, ``st.async``
                    to distributed shared memory
-``fmath``          ``div.rn``, ``ex2.approx``, ``rcp.approx``, max-abs
+``fmath``          ``div.rn``, ``mul.rn``, ``ex2.approx``, ``rcp.approx``, max-abs
 ``convert``        FP32 -> e4m3 x4 / BF16 packing, BF16 unpacking, bit casts
 ``memory``         global loads (``.nc``, acquire), stores (release), atomics,
                    shared loads / stores
@@ -49,7 +49,7 @@ from .convert import (  # noqa: F401
     float_bits,
     float_order_key,
 )
-from .fmath import div_rn, ex2_approx, fmax_abs, rcp_approx  # noqa: F401
+from .fmath import div_rn, ex2_approx, fmax_abs, mul_rn, rcp_approx  # noqa: F401
 from .mbarrier import (  # noqa: F401
     fence_mbarrier_init,
     mbarrier_arrive,

@@ -17,6 +17,12 @@ def div_rn(a, b, *, loc=None, ip=None) -> Float32:
 
 
 @dsl_user_op
+def mul_rn(a, b, *, loc=None, ip=None) -> Float32:
+    """``mul.rn.f32``: a product the compiler may not fuse into an FMA."""
+    return asm("mul.rn.f32 $0, $1, $2;", "f", "ff", (a, b), side_effects=False, loc=loc, ip=ip)
+
+
+@dsl_user_op
 def ex2_approx(x, *, loc=None, ip=None) -> Float32:
     """``ex2.approx.ftz.f32``: 2^x, about 2 ulp."""
     return asm("ex2.approx.ftz.f32 $0, $1;", "f", "f", (x,), side_effects=False, loc=loc, ip=ip)
