@@ -1,0 +1,364 @@
+"""Read, verify and safely unpack a build artifact (artifacts/FORMAT.md, schema 1).
+
+Nothing here touches a GPU: ``read(path)`` returns every variant of the
+manifest with its cubin bytes, after checking the manifest's structure, the
+config hash, and every cubin's compressed and uncompressed sha256 and size.
+A directory and its ``.tar.zst`` package read the same.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import tarfile
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+import zstandard
+
+from runtime.errors import ArtifactError
+
+SCHEMA = 1
+KERNELS = ("mega", "grouped")
+ARCHS = ("sm_90a", "sm_100a")
+LOGITS_DTYPES = ("float32", "bfloat16")
+PARAM_KINDS = ("pointer", "i32")
+TENSOR_MAPS = ("w13", "w2", "s13", "s2")
+#: An unpacked package may not grow past this (a zstandard bomb guard); a
+#: full two-arch build is a few tens of MB.
+MAX_UNPACKED_BYTES = 1 << 30
+
+_VARIANT_KEYS = {
+    "name": str, "kernel": str, "arch": str, "tokens": int, "logits_dtype": str,
+    "finalize": bool, "sms": int, "file": str, "sha256": str, "size": int,
+    "compressed_sha256": str, "compressed_size": int, "entry": str, "params": list,
+    "tensor_maps": list, "launch": dict, "workspace": list,
+}  # fmt: skip
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def canonical_json(obj) -> str:
+    """The manifest's canonical text (FORMAT.md): sorted keys, indent 1, ASCII."""
+    return json.dumps(obj, sort_keys=True, indent=1, ensure_ascii=True) + "\n"
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Launch shape fixed at compile time; ``smem`` in bytes of dynamic shared
+    memory, ``cluster`` None for a launch without clusters."""
+
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    cluster: tuple[int, int, int] | None
+    smem: int
+    pdl: bool
+
+
+@dataclass(frozen=True)
+class WorkspaceNeed:
+    """Scratch the runtime owns per (device, stream): ``bytes`` long, zero-filled
+    once at allocation where ``zero``."""
+
+    name: str
+    bytes: int
+    zero: bool
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One verified variant record plus its (uncompressed) cubin."""
+
+    name: str
+    kernel: str
+    arch: str
+    tokens: int
+    logits_dtype: str
+    finalize: bool
+    sms: int
+    entry: str
+    params: tuple[tuple[str, str], ...]  # (name, kind) in ABI order
+    tensor_maps: tuple[str, ...]
+    launch: Launch
+    workspace: tuple[WorkspaceNeed, ...]
+    sha256: str
+    cubin: bytes
+
+    def describe(self) -> str:
+        return f"variant {self.name}"
+
+
+@dataclass(frozen=True)
+class ArtifactData:
+    """A verified manifest and all its variants (every arch), sorted by name."""
+
+    source: str
+    manifest: dict
+    variants: tuple[Variant, ...]
+
+    @property
+    def config(self) -> dict:
+        return self.manifest["config"]
+
+    @property
+    def min_driver(self) -> int:
+        return self.manifest["min_driver"]
+
+    def for_arch(self, arch: str) -> tuple[Variant, ...]:
+        return tuple(v for v in self.variants if v.arch == arch)
+
+
+def read(path: str | os.PathLike) -> ArtifactData:
+    """Verified contents of an artifact directory or ``.tar.zst`` package.
+
+    Raises ArtifactError naming the variant or key, the expectation and what
+    was found, for: a missing or malformed manifest, a wrong schema or config
+    hash, a missing cubin, a size or sha256 mismatch (compressed or not), or a
+    package member that is a link, absolute, or escapes the unpack directory.
+    """
+    path = Path(path)
+    if path.is_dir():
+        return _read_dir(path, source=str(path))
+    if not path.is_file():
+        raise ArtifactError(f"artifact {path}: no such directory or file")
+    with tempfile.TemporaryDirectory(prefix="moe-artifact-") as tmp:
+        unpack(path, tmp)
+        return _read_dir(_root_of(Path(tmp), path), source=str(path))
+
+
+def unpack(archive: str | os.PathLike, dest: str | os.PathLike,
+           max_bytes: int = MAX_UNPACKED_BYTES) -> None:  # fmt: skip
+    """Unpacks a tar + zstandard package into the existing directory ``dest``,
+    accepting only regular files and directories whose names stay inside
+    ``dest`` (no absolute names, no ``..``, no links or device nodes)."""
+    dest = Path(dest).resolve()
+    total = 0
+    with open(archive, "rb") as raw:
+        try:
+            reader = zstandard.ZstdDecompressor().stream_reader(raw)
+            with tarfile.open(fileobj=reader, mode="r|") as tar:
+                for member in tar:
+                    target = _member_target(dest, member, archive)
+                    if member.isdir():
+                        target.mkdir(parents=True, exist_ok=True)
+                        continue
+                    total += member.size
+                    if total > max_bytes:
+                        raise ArtifactError(
+                            f"package {archive}: unpacks to more than {max_bytes} bytes"
+                        )
+                    if target.exists():
+                        raise ArtifactError(f"package {archive}: member {member.name!r} repeats")
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    source = tar.extractfile(member)
+                    with open(target, "wb") as out:
+                        out.write(source.read())
+        except (tarfile.TarError, zstandard.ZstdError, EOFError) as e:
+            raise ArtifactError(f"package {archive}: not a readable tar.zst ({e})") from e
+
+
+def _member_target(dest: Path, member: tarfile.TarInfo, archive) -> Path:
+    name = member.name
+    if not (member.isfile() or member.isdir()):
+        kind = "link" if (member.issym() or member.islnk()) else "special file"
+        raise ArtifactError(
+            f"package {archive}: member {name!r} is a {kind}; only regular files "
+            "and directories are accepted"
+        )
+    pure = PurePosixPath(name)
+    if pure.is_absolute() or name.startswith(("/", "\\")) or re.match(r"^[A-Za-z]:", name):
+        raise ArtifactError(f"package {archive}: member {name!r} has an absolute path")
+    if ".." in pure.parts:
+        raise ArtifactError(f"package {archive}: member {name!r} escapes the target directory")
+    target = (dest / pure).resolve()
+    if target != dest and dest not in target.parents:
+        raise ArtifactError(f"package {archive}: member {name!r} escapes the target directory")
+    return target
+
+
+def _root_of(tmp: Path, archive: Path) -> Path:
+    """The unpacked directory holding manifest.json: the top, or its single
+    sub-directory (packages may or may not carry a top-level folder)."""
+    if (tmp / "manifest.json").is_file():
+        return tmp
+    entries = [p for p in tmp.iterdir()]
+    if len(entries) == 1 and (entries[0] / "manifest.json").is_file():
+        return entries[0]
+    raise ArtifactError(f"package {archive}: no manifest.json at its top or in its one folder")
+
+
+def _read_dir(root: Path, source: str) -> ArtifactData:
+    manifest_path = root / "manifest.json"
+    if not manifest_path.is_file():
+        raise ArtifactError(f"artifact {source}: manifest.json missing")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ArtifactError(f"artifact {source}: manifest.json is not JSON ({e})") from e
+    check_manifest(manifest, source)
+    variants = tuple(_read_variant(root, record, source) for record in manifest["variants"])
+    return ArtifactData(source=source, manifest=manifest, variants=variants)
+
+
+def check_manifest(manifest, source: str = "artifact") -> None:
+    """Structure of a schema-1 manifest (everything but the cubin files)."""
+    if not isinstance(manifest, dict):
+        raise ArtifactError(f"{source}: manifest is not a JSON object")
+    if manifest.get("schema") != SCHEMA:
+        raise ArtifactError(
+            f"{source}: manifest schema: expected {SCHEMA}, found {manifest.get('schema')!r}"
+        )
+    for key, kind in (("config", dict), ("config_hash", str), ("toolchain", dict),
+                      ("min_driver", int), ("variants", list)):  # fmt: skip
+        if not isinstance(manifest.get(key), kind) or isinstance(manifest.get(key), bool):
+            raise ArtifactError(
+                f"{source}: manifest key {key!r}: expected {kind.__name__}, "
+                f"found {type(manifest.get(key)).__name__}"
+            )
+    found = hashlib.sha256(canonical_json(manifest["config"]).encode()).hexdigest()
+    if found != manifest["config_hash"]:
+        raise ArtifactError(
+            f"{source}: config_hash: expected {manifest['config_hash']} "
+            f"(recorded), found {found} (sha256 of the canonical config)"
+        )
+    names = [r.get("name") if isinstance(r, dict) else None for r in manifest["variants"]]
+    for record in manifest["variants"]:
+        check_variant_record(record, source)
+    if names != sorted(names) or len(set(names)) != len(names):
+        raise ArtifactError(f"{source}: variants must be unique and sorted by name")
+
+
+def check_variant_record(record, source: str = "artifact") -> None:
+    """One variant record's keys, types and internal consistency."""
+    if not isinstance(record, dict):
+        raise ArtifactError(f"{source}: a variant record is not a JSON object")
+    label = f"{source}: variant {record.get('name', '?')}"
+    for key, kind in _VARIANT_KEYS.items():
+        value = record.get(key)
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise ArtifactError(f"{label}: key {key!r}: expected {kind.__name__}, found {value!r}")
+    _expect(label, "kernel", record["kernel"], KERNELS)
+    _expect(label, "arch", record["arch"], ARCHS)
+    _expect(label, "logits_dtype", record["logits_dtype"], LOGITS_DTYPES)
+    if record["kernel"] == "mega" and record["finalize"]:
+        raise ArtifactError(f"{label}: finalize: expected false for mega, found true")
+    expected = (f"{record['kernel']}-{record['arch']}-m{record['tokens']}-"
+                f"{record['logits_dtype']}" + ("-final" if record["finalize"] else ""))  # fmt: skip
+    if record["name"] != expected:
+        raise ArtifactError(f"{label}: name: expected {expected!r} from its fields")
+    if record["file"] != f"cubins/{record['name']}.cubin.zst":
+        raise ArtifactError(
+            f"{label}: file: expected 'cubins/{record['name']}.cubin.zst', found {record['file']!r}"
+        )
+    for key in ("sha256", "compressed_sha256"):
+        if not _HEX64.match(record[key]):
+            raise ArtifactError(f"{label}: {key}: expected 64 lowercase hex digits")
+    if record["tokens"] < 1 or record["sms"] < 1 or not record["entry"]:
+        raise ArtifactError(f"{label}: tokens, sms must be positive and entry non-empty")
+    for param in record["params"]:
+        if not (isinstance(param, dict) and isinstance(param.get("name"), str)
+                and param.get("kind") in PARAM_KINDS):  # fmt: skip
+            raise ArtifactError(
+                f"{label}: params: expected {{'name': str, 'kind': 'pointer'|'i32'}}, found {param!r}"
+            )
+    params = [p["name"] for p in record["params"]]
+    if len(set(params)) != len(params):
+        raise ArtifactError(f"{label}: params: a name repeats in {params}")
+    for name in record["tensor_maps"]:
+        _expect(label, "tensor_maps entry", name, TENSOR_MAPS)
+    _check_launch(label, record["launch"])
+    for need in record["workspace"]:
+        if not (isinstance(need, dict) and isinstance(need.get("name"), str)
+                and _positive_int(need.get("bytes")) and isinstance(need.get("zero"), bool)):  # fmt: skip
+            raise ArtifactError(
+                f"{label}: workspace: expected {{'name', 'bytes' > 0, 'zero': bool}}, found {need!r}"
+            )
+
+
+def _check_launch(label: str, launch: dict) -> None:
+    def dims(key, value):
+        if not (
+            isinstance(value, list) and len(value) == 3 and all(_positive_int(v) for v in value)
+        ):
+            raise ArtifactError(f"{label}: launch.{key}: expected 3 positive ints, found {value!r}")
+
+    dims("grid", launch.get("grid"))
+    dims("block", launch.get("block"))
+    if launch.get("cluster") is not None:
+        dims("cluster", launch.get("cluster"))
+    smem = launch.get("smem")
+    if not isinstance(smem, int) or isinstance(smem, bool) or smem < 0:
+        raise ArtifactError(f"{label}: launch.smem: expected bytes >= 0, found {smem!r}")
+    if not isinstance(launch.get("pdl"), bool):
+        raise ArtifactError(f"{label}: launch.pdl: expected a bool, found {launch.get('pdl')!r}")
+
+
+def _read_variant(root: Path, record: dict, source: str) -> Variant:
+    label = f"{source}: variant {record['name']}"
+    path = root / record["file"]
+    if not path.is_file():
+        raise ArtifactError(f"{label}: cubin file {record['file']} missing")
+    packed = path.read_bytes()
+    _check_bytes(
+        label, "compressed", packed, record["compressed_size"], record["compressed_sha256"]
+    )
+    try:
+        cubin = _decompress(packed, record["size"] + 1)
+    except zstandard.ZstdError as e:
+        raise ArtifactError(f"{label}: {record['file']} does not decompress ({e})") from e
+    _check_bytes(label, "uncompressed", cubin, record["size"], record["sha256"])
+    launch = record["launch"]
+    return Variant(
+        name=record["name"], kernel=record["kernel"], arch=record["arch"],
+        tokens=record["tokens"], logits_dtype=record["logits_dtype"],
+        finalize=record["finalize"], sms=record["sms"], entry=record["entry"],
+        params=tuple((p["name"], p["kind"]) for p in record["params"]),
+        tensor_maps=tuple(record["tensor_maps"]),
+        launch=Launch(
+            grid=tuple(launch["grid"]), block=tuple(launch["block"]),
+            cluster=tuple(launch["cluster"]) if launch["cluster"] is not None else None,
+            smem=launch["smem"], pdl=launch["pdl"],
+        ),
+        workspace=tuple(WorkspaceNeed(w["name"], w["bytes"], w["zero"]) for w in record["workspace"]),
+        sha256=record["sha256"], cubin=cubin,
+    )  # fmt: skip
+
+
+def _decompress(packed: bytes, limit: int) -> bytes:
+    """At most ``limit`` bytes of a zstandard stream (one more than expected
+    is enough to detect a cubin that is too long, without inflating a bomb)."""
+    reader = zstandard.ZstdDecompressor().stream_reader(packed)
+    chunks, have = [], 0
+    while have < limit:
+        chunk = reader.read(limit - have)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        have += len(chunk)
+    return b"".join(chunks)
+
+
+def _check_bytes(label: str, what: str, data: bytes, size: int, sha: str) -> None:
+    if len(data) != size:
+        raise ArtifactError(
+            f"{label}: {what} cubin size: expected {size} bytes, found {len(data)}"
+            + (" or more" if what == "uncompressed" and len(data) > size else "")
+        )
+    found = hashlib.sha256(data).hexdigest()
+    if found != sha:
+        raise ArtifactError(f"{label}: {what} cubin sha256: expected {sha}, found {found}")
+
+
+def _expect(label: str, key: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ArtifactError(f"{label}: {key}: expected one of {list(allowed)}, found {value!r}")
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+__all__ = ["ArtifactData", "Launch", "Variant", "WorkspaceNeed", "canonical_json",
+           "check_manifest", "read", "unpack"]  # fmt: skip
