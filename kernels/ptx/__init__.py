@@ -51,6 +51,7 @@ from .convert import (  # noqa: F401
 )
 from .fmath import div_rn, ex2_approx, fmax_abs, mul_rn, rcp_approx  # noqa: F401
 from .mbarrier import (  # noqa: F401
+    cp_async_mbarrier_arrive_noinc,
     fence_mbarrier_init,
     mbarrier_arrive,
     mbarrier_arrive_expect_tx,
@@ -64,7 +65,12 @@ from .mbarrier import (  # noqa: F401
 from .memory import (  # noqa: F401
     atom_add_acq_rel_gpu_u32,
     atom_add_release_gpu_u32,
+    atom_inc_relaxed_gpu_u32,
+    cp_async_cg_16,
     ld_acquire_gpu_u32,
+    ld_global_cg_f32,
+    ld_global_cg_u32,
+    ld_global_cg_v4_u32,
     ld_global_f32,
     ld_global_nc_f32,
     ld_global_nc_u16,
@@ -78,6 +84,7 @@ from .memory import (  # noqa: F401
     ld_shared_v4_u32,
     red_add_f32,
     red_add_release_gpu_u32,
+    red_or_shared_u32,
     st_global_f32,
     st_global_u16,
     st_global_u32,
@@ -101,6 +108,7 @@ from .sync import (  # noqa: F401
 )
 from .tma import (  # noqa: F401
     create_policy_evict_first,
+    prefetch_l2_bulk,
     prefetch_tensormap,
     tensormap_fence_acquire,
     tma_load_3d,

@@ -94,3 +94,12 @@ def mbarrier_wait_cluster(bar: Int32, parity, *, loc=None, ip=None) -> None:
         "p, [$0], $1; @!p bra WAIT; }",
         "", "rr", (bar, parity), memory=True, loc=loc, ip=ip,
     )  # fmt: skip
+
+
+@dsl_user_op
+def cp_async_mbarrier_arrive_noinc(bar: Int32, *, loc=None, ip=None) -> None:
+    """``cp.async.mbarrier.arrive.noinc.shared::cta.b64``: one arrival on
+    ``bar`` (counted in its init count) once this thread's earlier
+    ``cp.async`` copies have landed."""
+    asm("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [$0];", "", "r", (bar,), memory=True,
+        loc=loc, ip=ip)  # fmt: skip

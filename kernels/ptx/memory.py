@@ -64,6 +64,26 @@ def ld_global_v4_u32(addr: Int64, *, loc=None, ip=None) -> tuple:
 
 
 @dsl_user_op
+def ld_global_cg_u32(addr: Int64, *, loc=None, ip=None) -> Uint32:
+    """``ld.global.cg.b32``: cached in L2 only (data other CTAs wrote in this
+    kernel, read after an acquire: no stale L1 line)."""
+    return asm("ld.global.cg.b32 $0, [$1];", "u", "l", (addr,), memory=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def ld_global_cg_f32(addr: Int64, *, loc=None, ip=None) -> Float32:
+    """``ld.global.cg.f32`` (L2 only, see ``ld_global_cg_u32``)."""
+    return asm("ld.global.cg.f32 $0, [$1];", "f", "l", (addr,), memory=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def ld_global_cg_v4_u32(addr: Int64, *, loc=None, ip=None) -> tuple:
+    """``ld.global.cg.v4.b32`` (L2 only, 16-byte aligned): four words."""
+    return asm("ld.global.cg.v4.b32 {$0, $1, $2, $3}, [$4];", "uuuu", "l", (addr,),
+               memory=True, loc=loc, ip=ip)  # fmt: skip
+
+
+@dsl_user_op
 def ld_acquire_gpu_u32(addr: Int64, *, loc=None, ip=None) -> Uint32:
     """``ld.acquire.gpu.global.b32``."""
     return asm("ld.acquire.gpu.global.b32 $0, [$1];", "u", "l", (addr,), memory=True,
@@ -132,6 +152,23 @@ def red_add_release_gpu_u32(addr: Int64, value, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
+def atom_inc_relaxed_gpu_u32(addr: Int64, limit, *, loc=None, ip=None) -> Uint32:
+    """``atom.inc.relaxed.gpu.global.u32``: ``old >= limit ? 0 : old + 1``;
+    returns the old value."""
+    return asm("atom.inc.relaxed.gpu.global.u32 $0, [$1], $2;", "u", "lu", (addr, limit),
+               memory=True, loc=loc, ip=ip)  # fmt: skip
+
+
+@dsl_user_op
+def cp_async_cg_16(dst: Int32, src: Int64, *, loc=None, ip=None) -> None:
+    """``cp.async.cg.shared.global [dst], [src], 16``: 16 bytes from global
+    (L2 only) to shared, both 16-byte aligned; completes on an mbarrier with
+    ``mbarrier.cp_async_mbarrier_arrive_noinc`` (or ``cp.async.wait_all``)."""
+    asm("cp.async.cg.shared.global [$0], [$1], 16;", "", "rl", (dst, src), memory=True,
+        loc=loc, ip=ip)  # fmt: skip
+
+
+@dsl_user_op
 def red_add_f32(addr: Int64, value, *, loc=None, ip=None) -> None:
     """``red.relaxed.gpu.global.add.f32``."""
     asm("red.relaxed.gpu.global.add.f32 [$0], $1;", "", "lf", (addr, value), memory=True,
@@ -177,6 +214,12 @@ def st_shared_u8(addr: Int32, value, *, loc=None, ip=None) -> None:
     """``st.shared.b8`` of the low byte of ``value``."""
     asm("{ .reg .b16 h; cvt.u16.u32 h, $1; st.shared.b8 [$0], h; }", "", "ru", (addr, value),
         memory=True, loc=loc, ip=ip)  # fmt: skip
+
+
+@dsl_user_op
+def red_or_shared_u32(addr: Int32, value, *, loc=None, ip=None) -> None:
+    """``red.shared.or.b32``."""
+    asm("red.shared.or.b32 [$0], $1;", "", "ru", (addr, value), memory=True, loc=loc, ip=ip)
 
 
 @dsl_user_op

@@ -55,3 +55,11 @@ def tma_load_3d_hint(dst: Int32, tmap: Int64, bar: Int32, c0, c1, c2, policy: In
         ".L2::cache_hint [$0], [$1, {$3, $4, $5}], [$2], $6;",
         "", "rlrrrrl", (dst, tmap, bar, c0, c1, c2, policy), memory=True, loc=loc, ip=ip,
     )  # fmt: skip
+
+
+@dsl_user_op
+def prefetch_l2_bulk(addr: Int64, nbytes, *, loc=None, ip=None) -> None:
+    """``cp.async.bulk.prefetch.L2.global [addr], nbytes``: pulls ``nbytes``
+    (a multiple of 16, 16-byte aligned) into L2, no completion to wait for."""
+    asm("cp.async.bulk.prefetch.L2.global [$0], $1;", "", "lr", (addr, nbytes), memory=True,
+        loc=loc, ip=ip)  # fmt: skip
