@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.util
 import os
 from pathlib import Path
 
@@ -30,11 +31,30 @@ MODULES = {
 }
 
 
+#: Replaces entries of MODULES for this process and the processes it starts:
+#: ``"kernel/arch=module[,kernel/arch=module...]"``. Tests use it to build the
+#: real pipeline around small stand-in kernels.
+MODULES_ENV = "MOE_BUILD_KERNEL_MODULES"
+
+
+def modules() -> dict[tuple[str, str], str]:
+    """MODULES with the overrides of ``$MOE_BUILD_KERNEL_MODULES`` applied."""
+    out = dict(MODULES)
+    for item in filter(None, os.environ.get(MODULES_ENV, "").split(",")):
+        target, sep, module = item.partition("=")
+        kernel, slash, arch = target.strip().partition("/")
+        if not (sep and slash and kernel and arch and module.strip()):
+            raise ValueError(f"${MODULES_ENV}: expected kernel/arch=module, got {item!r}")
+        out[(kernel, arch)] = module.strip()
+    return out
+
+
 def module_name(kernel: str, arch: str) -> str:
+    table = modules()
     try:
-        return MODULES[(kernel, arch)]
+        return table[(kernel, arch)]
     except KeyError:
-        known = ", ".join(f"{k}/{a}" for k, a in MODULES)
+        known = ", ".join(f"{k}/{a}" for k, a in table)
         raise KeyError(f"no kernel module for {kernel}/{arch} (known: {known})") from None
 
 
@@ -78,8 +98,12 @@ def source_files(kernel: str, arch: str) -> list[Path]:
 
 
 def _module_path(name: str) -> Path | None:
-    """File of a ``kernels.*`` module or package, or None for anything else."""
+    """File of a ``kernels.*`` module or package (or of a module named in
+    ``$MOE_BUILD_KERNEL_MODULES``), or None for anything else."""
     parts = name.split(".")
+    if name in modules().values() and parts[0] != "kernels":
+        spec = importlib.util.find_spec(name)
+        return Path(spec.origin).resolve() if spec and spec.origin else None
     if parts[0] != "kernels":
         return None
     base = KERNELS_DIR.joinpath(*parts[1:])

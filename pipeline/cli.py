@@ -9,6 +9,7 @@ import sys
 import click
 import yaml
 
+from pipeline import commands
 from pipeline.config import ConfigError, load_config
 from pipeline.variants import expand
 
@@ -61,6 +62,48 @@ def validate(config: str, as_json: bool) -> None:
     click.echo(f"# {len(variants)} variants")
     for v in variants:
         click.echo(f"  {v.name}  (sms {v.sms})")
+
+
+@main.command("compile")
+@click.argument("config", type=click.Path(dir_okay=False))
+@click.option(
+    "-o",
+    "--out",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Artifact directory to write (default: artifacts/<config name>).",
+)
+@click.option("--arch", "archs", multiple=True, help="Only this arch (repeatable).")
+@click.option("--kernel", "kernels", multiple=True, help="Only this kernel (repeatable).")
+@click.option(
+    "-j",
+    "--jobs",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Compiler processes (default: the CPUs this process may use).",
+)
+@click.option("--shard", default=None, help="Build only shard i/n (1-based) of the variants.")
+@click.option(
+    "--cache-dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Build cache (default: $MOE_BUILD_CACHE or ~/.cache/moe-build).",
+)
+@click.option("--no-cache", is_flag=True, help="Compile everything; read and write no cache.")
+@click.option("--json", "as_json", is_flag=True, help="Progress as JSON lines on stdout.")
+def compile_cmd(config, out, archs, kernels, jobs, shard, cache_dir, no_cache, as_json):
+    """Compile CONFIG's variants into an artifact directory.
+
+    Writes OUT/manifest.json and one zstandard cubin per variant, atomically:
+    a failed or interrupted build leaves no artifact (and an existing one
+    untouched). Exit status 0 on success, 1 when a variant fails to compile
+    (each failure names its variant), 2 for bad input (config, --arch,
+    --kernel, --shard, output path).
+    """
+    cfg = load_or_exit(config)
+    sys.exit(
+        commands.compile_config(cfg, out, archs, kernels, jobs, shard, cache_dir, no_cache, as_json)
+    )
 
 
 if __name__ == "__main__":

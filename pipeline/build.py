@@ -1,0 +1,249 @@
+"""``moe-build compile``: config -> variants -> cubins -> artifact directory.
+
+Flow: select the variants (``--arch``, ``--kernel``, ``--shard``), key each
+one (pipeline.cache), take hits from the build cache, compile the misses in
+worker processes (one pool per architecture, spawn context: CUTE_DSL_ARCH
+must be set before cutlass is imported), check every cubin against its
+declared ABI, and write the artifact through pipeline.output (temporary
+directory, manifest last, atomic rename). Any failed variant fails the
+build: every failure is reported with the variant's name and the compiler's
+message, and nothing is written.
+
+Sharding: the selected variants, sorted by name, are dealt round-robin, so
+shard ``i/n`` (1-based) builds names ``i-1, i-1+n, ...``. A shard's manifest
+carries a ``shard`` record (index, count, the names of the whole selection)
+that ``moe-build merge`` uses to check it has every shard.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import datetime
+import multiprocessing
+import os
+import platform
+import socket
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from kernels.spec import ARCHS, KERNELS
+from pipeline import manifest as mf
+from pipeline import toolchain, worker
+from pipeline.cache import BuildCache, cache_key, source_hashes
+from pipeline.config import BuildConfig
+from pipeline.output import Staging
+from pipeline.progress import Progress
+from pipeline.variants import Variant, expand
+
+
+class BuildError(RuntimeError):
+    """The build cannot start or did not succeed; ``problems`` lists one
+    message per cause (a failed variant names itself)."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("\n".join(problems))
+
+
+class SelectionError(BuildError):
+    """The request names archs, kernels or a shard the config cannot give."""
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Shard ``index`` of ``count`` (1-based)."""
+
+    index: int
+    count: int
+
+    @classmethod
+    def parse(cls, text: str) -> Shard:
+        head, sep, tail = text.partition("/")
+        try:
+            index, count = int(head), int(tail)
+        except ValueError:
+            index = count = 0
+        if not sep or count < 1 or not 1 <= index <= count:
+            raise ValueError(f"shard {text!r}: expected i/n with 1 <= i <= n, e.g. 1/4")
+        return cls(index, count)
+
+    def take(self, variants: list[Variant]) -> list[Variant]:
+        ordered = sorted(variants, key=lambda v: v.name)
+        return ordered[self.index - 1 :: self.count]
+
+    def __str__(self) -> str:
+        return f"{self.index}/{self.count}"
+
+
+@dataclass
+class BuildRequest:
+    config: BuildConfig
+    out: Path
+    archs: tuple[str, ...] = ()
+    kernels: tuple[str, ...] = ()
+    jobs: int = 1
+    shard: Shard | None = None
+    cache: BuildCache = field(default_factory=lambda: BuildCache(None))
+
+
+def select(config: BuildConfig, archs=(), kernels=(), shard: Shard | None = None):
+    """(variants to build, names of the whole selection before sharding);
+    raises BuildError for an arch or kernel the config does not build."""
+    problems = []
+    targets = [t.arch for t in config.targets]
+    for arch in archs:
+        if arch not in ARCHS:
+            problems.append(f"--arch {arch}: unknown arch (known: {', '.join(ARCHS)})")
+        elif arch not in targets:
+            problems.append(f"--arch {arch}: not a target of this config ({', '.join(targets)})")
+    for kernel in kernels:
+        if kernel not in KERNELS:
+            problems.append(f"--kernel {kernel}: unknown kernel (known: {', '.join(KERNELS)})")
+        elif kernel not in config.kernels:
+            problems.append(
+                f"--kernel {kernel}: not built by this config ({', '.join(config.kernels)})"
+            )
+    if problems:
+        raise SelectionError(problems)
+    chosen = expand(config, archs=set(archs) or None, kernels=set(kernels) or None)
+    names = sorted(v.name for v in chosen)
+    if shard is not None:
+        chosen = shard.take(chosen)
+    if not chosen:
+        raise SelectionError(["nothing to build: the selection has no variants"
+                          + (f" in shard {shard}" if shard else "")])  # fmt: skip
+    return chosen, names
+
+
+def build(req: BuildRequest, progress: Progress) -> Path:
+    """Builds the artifact at ``req.out``; returns its path or raises
+    BuildError (nothing written) or OutputError."""
+    started = time.time()
+    variants, selection = select(req.config, req.archs, req.kernels, req.shard)
+    tools = mf.local_toolchain()  # fails early when the DSL is missing
+    identity = toolchain.identity()
+    sources = {}
+    keys = {}
+    for v in variants:
+        if (v.kernel, v.arch) not in sources:
+            try:
+                sources[(v.kernel, v.arch)] = source_hashes(v.kernel, v.arch)
+            except (KeyError, OSError, SyntaxError) as exc:
+                raise BuildError([f"variant {v.name}: kernel sources: {exc}"]) from None
+        keys[v.name] = cache_key(v.spec(req.config), sources[(v.kernel, v.arch)], identity)
+
+    with Staging(req.out) as staging:
+        results = {}
+        for v in variants:
+            hit = req.cache.get(keys[v.name])
+            if hit is not None:
+                results[v.name] = hit
+        misses = [v for v in variants if v.name not in results]
+        plan = _plan(misses, req.jobs)
+        progress.start(len(variants), len(variants) - len(misses), sum(n for _, n, _ in plan))
+        timings = {}
+        for v in variants:
+            if v.name in results:
+                timings[v.name] = {"cached": True, "seconds": 0.0}
+                progress.variant(v.name, "cached", 0.0)
+        failures = []
+        for v, result in _compile(plan, req.config):
+            seconds = result.pop("seconds", 0.0)
+            timings[v.name] = {"cached": False, "seconds": round(seconds, 3)}
+            if "error" in result:
+                failures.append(f"variant {v.name}: {result['error']}")
+                progress.variant(v.name, "failed", seconds, result["error"])
+                continue
+            req.cache.put(keys[v.name], result)
+            results[v.name] = result
+            progress.variant(v.name, "compiled", seconds)
+        if failures:
+            raise BuildError(failures)
+
+        records = []
+        for v in variants:
+            packed = mf.compress(results[v.name]["cubin"])
+            try:
+                records.append(mf.variant_record(v, results[v.name], keys[v.name], packed))
+            except mf.ManifestError as exc:
+                failures.append(str(exc))
+                continue
+            staging.write(f"cubins/{v.name}.cubin.zst", packed)
+        if failures:
+            raise BuildError(failures)
+        extra = {}
+        if req.shard is not None:
+            extra["shard"] = {"index": req.shard.index, "count": req.shard.count,
+                              "selection": selection}  # fmt: skip
+        manifest = mf.manifest(req.config.to_dict(), records, tools, extra)
+        staging.write_json("build-record.json", _record(req, started, timings))
+        return staging.commit(manifest)
+
+
+def _plan(misses: list[Variant], jobs: int) -> list[tuple[str, int, list[Variant]]]:
+    """(arch, processes, variants) per arch with work: ``jobs`` processes
+    shared in proportion to each arch's variants, at least one each."""
+    by_arch: dict[str, list[Variant]] = {}
+    for v in misses:
+        by_arch.setdefault(v.arch, []).append(v)
+    jobs = max(1, jobs)
+    plan = []
+    for arch, todo in by_arch.items():
+        share = max(1, round(jobs * len(todo) / len(misses)))
+        plan.append((arch, min(share, len(todo)), todo))
+    return plan
+
+
+def _compile(plan, config: BuildConfig):
+    """Yields (variant, result dict) as compiles finish, across one process
+    pool per arch (all pools run at once)."""
+    if not plan:
+        return
+    ctx = multiprocessing.get_context("spawn")
+    pools = []
+    futures = {}
+    try:
+        for arch, processes, todo in plan:
+            pool = cf.ProcessPoolExecutor(processes, mp_context=ctx, initializer=worker.init,
+                                          initargs=(arch,))  # fmt: skip
+            pools.append(pool)
+            for v in todo:
+                futures[pool.submit(worker.compile_one, asdict(v.spec(config)))] = v
+        for future in cf.as_completed(futures):
+            v = futures[future]
+            try:
+                result = future.result()
+            except cf.process.BrokenProcessPool:
+                result = {"error": "the compiler process died (crashed or was killed) while "
+                                   "this variant was being compiled or waiting"}  # fmt: skip
+            except Exception as exc:  # noqa: BLE001 - e.g. a result that cannot be pickled
+                result = {"error": f"{type(exc).__name__}: {exc}"}
+            yield v, result
+    finally:
+        for pool in pools:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _record(req: BuildRequest, started: float, timings: dict) -> dict:
+    """build-record.json: facts about this run that are not part of the
+    artifact's identity (so not in the manifest)."""
+
+    def iso(t):
+        return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).isoformat()
+
+    return {
+        "started": iso(started),
+        "finished": iso(time.time()),
+        "seconds": round(time.time() - started, 3),
+        "host": socket.gethostname(),
+        "platform": platform.platform(),
+        "python": sys.version.split()[0],
+        "argv": sys.argv,
+        "jobs": req.jobs,
+        "shard": str(req.shard) if req.shard else None,
+        "cache": str(req.cache.root) if req.cache.root else None,
+        "cpu_count": os.cpu_count(),
+        "variants": timings,
+    }
