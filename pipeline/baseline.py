@@ -1,0 +1,81 @@
+"""The torch baseline: the MoE layer as a user without this project would write
+it in plain torch, for the benchmark to compare against.
+
+Weights are dequantized to BF16 once (block scales folded in); each call
+routes with torch (sigmoid, top-k), quantizes the tokens to FP8 per 128 and
+back (the same numerics as the kernels' activation quantization), then runs
+two BF16 matmuls per distinct expert on that expert's tokens, the clamped
+SwiGLU, the FP8 hidden quantization round trip, and a weighted scatter-add;
+the shared expert runs on every token. It syncs with the host once per call
+(to learn which experts were picked), as such code does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from runtime.layout import ExpertWeights, MoEWeights
+from runtime.model import TILE, MoEShape
+from runtime.reference import quantize_activations, quantize_hidden, route, swiglu
+
+
+def _dequantize(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """BlockMajorK FP8 [E, K/128, N, 128] with scales [E, N/128, K/128] ->
+    BF16 [E, N, K] in physical (shuffled) row order."""
+    e, kb, n, _ = w.shape
+    wf = w.float().permute(0, 2, 1, 3).reshape(e, n, kb, TILE)
+    s = scale.repeat_interleave(TILE, dim=1)  # [E, N, K/128]
+    return (wf * s[..., None]).reshape(e, n, kb * TILE).to(torch.bfloat16)
+
+
+class TorchMoE:
+    """Plain-torch MoE over prepared weights (see module docstring)."""
+
+    def __init__(self, weights: MoEWeights, shape: MoEShape):
+        self.shape = shape
+        self.w13, self.w2 = self._load(weights.routed)
+        self.s13, self.s2 = (None, None) if weights.shared is None else self._load(weights.shared)
+
+    def _load(self, ex: ExpertWeights):
+        from runtime.layout import logical_rows
+
+        w13 = _dequantize(ex.w13, ex.w13_scale)
+        w2 = _dequantize(ex.w2, ex.w2_scale)
+        # Undo the 16-row shuffle once, so the matmul outputs are in logical order.
+        r13 = torch.empty_like(logical_rows(w13.shape[1], w13.device)).long()
+        r13[logical_rows(w13.shape[1], w13.device).long()] = torch.arange(
+            w13.shape[1], device=w13.device
+        )
+        r2 = torch.empty_like(logical_rows(w2.shape[1], w2.device)).long()
+        r2[logical_rows(w2.shape[1], w2.device).long()] = torch.arange(
+            w2.shape[1], device=w2.device
+        )
+        return w13[:, r13].contiguous(), w2[:, r2].contiguous()
+
+    def _expert(self, xd: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        inter = self.shape.inter
+        h = xd @ w13.t()  # [T, 2I] W31 order: up, then gate
+        a = swiglu(
+            gate=h[:, inter:].float(), up=h[:, :inter].float(), limit=self.shape.swiglu_limit
+        )
+        aq, sh = quantize_hidden(a)
+        ad = (aq.float().view(a.shape[0], -1, TILE) * sh[..., None]).view_as(a)
+        return ad.to(torch.bfloat16) @ w2.t()
+
+    def __call__(self, x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """BF16 [M, H] MoE output."""
+        s = self.shape
+        ids, weights = route(logits, bias, s.top_k, s.routed_scale)
+        xq, sx = quantize_activations(x, s.ue8m0)
+        m = x.shape[0]
+        xd = (xq.float().view(m, -1, TILE) * sx[..., None]).view(m, -1).to(torch.bfloat16)
+        total = torch.zeros(m, s.hidden, dtype=torch.float32, device=x.device)
+        flat = ids.view(-1).long()
+        for e in torch.unique(flat).tolist():
+            rows = (flat == e).nonzero().view(-1)
+            tokens = rows // s.top_k
+            y = self._expert(xd[tokens], self.w13[e], self.w2[e])
+            total.index_add_(0, tokens, y.float() * weights.view(-1)[rows, None])
+        if self.s13 is not None:
+            total += self._expert(xd, self.s13[0], self.s2[0]).float()
+        return total.to(torch.bfloat16)

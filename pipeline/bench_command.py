@@ -1,0 +1,89 @@
+"""The `moe-build bench` command (the work is in pipeline.bench)."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+DEFAULT_TOKENS = "1,2,3,4,8,16,32,48,64"
+
+
+def _tokens(_ctx, _param, value: str) -> list[int]:
+    try:
+        tokens = sorted({int(t) for t in value.split(",") if t.strip()})
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got {value!r}") from None
+    if not tokens or tokens[0] < 1 or tokens[-1] > 64:
+        raise click.BadParameter(f"token counts must be in 1..64, got {value!r}")
+    return tokens
+
+
+@click.command("bench")
+@click.argument("artifact", type=click.Path(exists=True))
+@click.option("--tokens", default=DEFAULT_TOKENS, show_default=True, callback=_tokens,
+              help="Comma-separated token counts M to time.")  # fmt: skip
+@click.option("--routing", "routings", multiple=True, default=("random",), show_default=True,
+              type=click.Choice(["random", "uniform", "skewed"]),
+              help="Router bias distribution (repeatable; see design of pipeline.bench).")  # fmt: skip
+@click.option("--reps", default=50, show_default=True, help="Graph replays per case.")
+@click.option("--seed", type=int, default=None, help="Seed of weights and inputs (default: fresh).")
+@click.option(
+    "--json", "json_out", type=click.Path(dir_okay=False), help="Write the result JSON here."
+)
+@click.option("--plot", "plot_out", type=click.Path(dir_okay=False), help="Write a PNG plot here.")
+def bench(artifact, tokens, routings, reps, seed, json_out, plot_out) -> None:
+    """Time ARTIFACT's kernels and full layer on this GPU.
+
+    For each routing and token count M: the layer entry, each kernel variant
+    of bucket M, and a plain-torch baseline, each checked once against the
+    float64 reference on fresh inputs, then timed by CUDA graph replay with
+    weights rotated over several copies so L2 cannot hold them. Reports time,
+    weight bytes, TB/s and the fraction of the device-to-device copy bandwidth
+    measured in the same run. Exit status 1 if any case disagrees with the
+    reference.
+    """
+    import torch
+
+    if not torch.cuda.is_available():
+        click.echo("error: bench needs a CUDA GPU; none is visible", err=True)
+        sys.exit(2)
+    from pipeline import bench as b
+
+    run = b.Bench(artifact, reps=reps, seed=seed, log=lambda s: click.echo(s, err=True))
+    rows = run.run(tokens, routings)
+    result = run.result(rows)
+    if json_out:
+        b.write_json(result, json_out)
+        click.echo(f"wrote {json_out}", err=True)
+    if plot_out:
+        b.plot(result, plot_out)
+        click.echo(f"wrote {plot_out}", err=True)
+    click.echo(table(result))
+    wrong = [r for r in rows if not r.correct]
+    if wrong:
+        for r in wrong:
+            click.echo(f"error: {r.kernel} M={r.tokens} {r.routing}: rel_l2 {r.rel_l2:.3e} "
+                       f"above tolerance", err=True)  # fmt: skip
+        sys.exit(1)
+
+
+def table(result: dict) -> str:
+    """A Markdown table of a result's rows (the README shows this)."""
+    lines = [
+        f"{result['device']} (driver {result['driver']}, {result['sms']} SMs), copy bandwidth "
+        f"{result['copy_tb_s']:.2f} TB/s, commit {result['commit'][:10]}, {result['date']}",
+        "",
+        "| routing | M | kernel | distinct experts | MB read | time (us) | TB/s | % of copy | "
+        "vs torch | rel L2 |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        kernel = r["kernel"] + (" (final)" if r.get("finalize") else "")
+        speed = f"{r['speedup_vs_baseline']:.1f}x" if r.get("speedup_vs_baseline") else ""
+        lines.append(
+            f"| {r['routing']} | {r['tokens']} | {kernel} | {r['distinct_experts']} | "
+            f"{r['weight_bytes'] / 1e6:.1f} | {r['time_us']:.1f} | {r['tb_s']:.2f} | "
+            f"{100 * r['floor_fraction']:.0f}% | {speed} | {r['rel_l2']:.1e} |"
+        )
+    return "\n".join(lines)
