@@ -86,6 +86,7 @@ from .memory import (  # noqa: F401
     red_add_release_gpu_u32,
     red_or_shared_u32,
     st_global_f32,
+    st_global_u8,
     st_global_u16,
     st_global_u32,
     st_global_v4_u32,

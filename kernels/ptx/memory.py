@@ -110,6 +110,13 @@ def st_global_f32(addr: Int64, value, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
+def st_global_u8(addr: Int64, value, *, loc=None, ip=None) -> None:
+    """``st.global.b8`` of the low byte of ``value`` (an FP8 store)."""
+    asm("{ .reg .b16 h; cvt.u16.u32 h, $1; st.global.b8 [$0], h; }", "", "lu", (addr, value),
+        memory=True, loc=loc, ip=ip)  # fmt: skip
+
+
+@dsl_user_op
 def st_global_u16(addr: Int64, value, *, loc=None, ip=None) -> None:
     """``st.global.b16`` of the low half of ``value`` (a BF16 store)."""
     asm("{ .reg .b16 h; cvt.u16.u32 h, $1; st.global.b16 [$0], h; }", "", "lu", (addr, value),
