@@ -1,0 +1,94 @@
+"""Checks of a call's tensors and of a weight set, before anything launches.
+
+Every error names the argument, what the bound variants expect and what was
+found. Kernels read their inputs through bare pointers of static shapes, so
+anything but the exact dtype, shape, device and a dense row-major layout
+would be read wrong, not refused, by the GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from runtime.errors import InputError
+from runtime.model import TILE, MoEShape
+from runtime.plan import MAX_TOKENS
+
+#: Every kernel pointer is assumed 16-byte aligned (vector loads).
+ALIGN = 16
+LOGITS = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def check_tensor(name: str, t, dtype, shape, device: torch.device) -> None:
+    """``t`` is a dense, 16-byte aligned ``dtype`` tensor of ``shape`` on ``device``."""
+    if not isinstance(t, torch.Tensor):
+        raise InputError(f"{name}: expected a torch.Tensor, found {type(t).__name__}")
+    dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
+    if t.dtype not in dtypes:
+        want = " or ".join(str(d) for d in dtypes)
+        raise InputError(f"{name}: expected dtype {want}, found {t.dtype}")
+    if tuple(t.shape) != tuple(shape):
+        raise InputError(f"{name}: expected shape {list(shape)}, found {list(t.shape)}")
+    if t.device != device:
+        raise InputError(f"{name}: expected device {device}, found {t.device}")
+    if not t.is_contiguous():
+        raise InputError(f"{name}: expected a contiguous tensor, found strides {t.stride()}")
+    if t.data_ptr() % ALIGN:
+        raise InputError(
+            f"{name}: expected a {ALIGN}-byte aligned address, found {t.data_ptr():#x}"
+        )
+
+
+def check_call(x, logits, bias, shape: MoEShape, device: torch.device,
+               logits_dtypes, max_tokens: int = MAX_TOKENS) -> int:  # fmt: skip
+    """Validates one call; returns M. ``logits_dtypes``: names the bound
+    variants accept (``float32``/``bfloat16``)."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        found = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise InputError(f"x: expected a [M, {shape.hidden}] tensor, found {found}")
+    m = x.shape[0]
+    if not 1 <= m <= max_tokens:
+        raise InputError(f"x: expected M (tokens) in 1..{max_tokens}, found {m}")
+    check_tensor("x", x, torch.bfloat16, (m, shape.hidden), device)
+    accepted = tuple(LOGITS[d] for d in logits_dtypes)
+    if not accepted:
+        raise InputError("logits: no bound variant serves this call")
+    check_tensor("logits", logits, accepted, (m, shape.experts), device)
+    check_tensor("bias", bias, torch.float32, (shape.experts,), device)
+    return m
+
+
+def expert_shapes(experts: int, hidden: int, inter: int) -> dict:
+    """Name -> (dtype, shape) of one ``ExpertWeights`` in the kernel layout."""
+    return {
+        "w13": (torch.float8_e4m3fn, (experts, hidden // TILE, 2 * inter, TILE)),
+        "w13_scale": (torch.float32, (experts, 2 * inter // TILE, hidden // TILE)),
+        "w2": (torch.float8_e4m3fn, (experts, inter // TILE, hidden, TILE)),
+        "w2_scale": (torch.float32, (experts, hidden // TILE, inter // TILE)),
+    }
+
+
+def check_weights(weights, shape: MoEShape, device: torch.device) -> dict:
+    """Validates a ``runtime.layout.MoEWeights`` for ``shape`` on ``device``;
+    returns the kernels' weight tensors by parameter name (``w13``, ...,
+    ``s13``, ``s13_scale``, ``s2``, ``s2_scale``)."""
+    routed = getattr(weights, "routed", None)
+    shared = getattr(weights, "shared", None)
+    if routed is None:
+        raise InputError(
+            f"weights: expected a runtime.layout.MoEWeights, found {type(weights).__name__}"
+        )
+    if shape.shared_experts and shared is None:
+        raise InputError("weights.shared: the config has a shared expert, the weights none")
+    tensors = {}
+    sets = [("", routed, shape.experts)]
+    if shared is not None:
+        sets.append(("s", shared, 1))
+    for prefix, part, experts in sets:
+        for name, (dtype, dims) in expert_shapes(experts, shape.hidden, shape.inter).items():
+            label = f"weights.{'shared' if prefix else 'routed'}.{name}"
+            t = getattr(part, name, None)
+            check_tensor(label, t, dtype, dims, device)
+            key = name if not prefix else "s" + name[1:]
+            tensors[key] = t
+    return tensors

@@ -1,0 +1,198 @@
+"""A bound MoE layer: the seeds' calling conventions over prebuilt cubins.
+
+``layer.mega(x, logits, bias)`` -> (out, ids, weights) and
+``layer.grouped(x, logits, bias, finalize=False)`` -> (out, ids, weights,
+shared) or ``final`` run one kernel; ``layer(x, logits, bias)`` serves any M in
+1..64 and returns the full MoE output BF16 [M, H] (routed, weighted, plus the
+shared expert). Shapes: out BF16 [M * top_k, H] (row t*top_k + k = route k of
+token t, unweighted), ids int32 [M, top_k], weights FP32 [M, top_k], shared
+and final BF16 [M, H]. Padded rows never come back.
+
+Each call validates its tensors, then launches on torch's current stream of
+the layer's device. Launches allocate only their outputs (torch's caching
+allocator) and the padded inputs when M is not a bucket; workspaces are made
+on a stream's first call, outside any capture. So a layer can be captured in
+a CUDA graph and replayed.
+
+Known cost: calls the mega kernel serves compute the shared expert in torch
+(runtime.shared_expert), and weight and add the routes in torch
+(``runtime.reference.finalize``, FP32 in top-k order, as the grouped kernel's
+finalize does).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from runtime import driver
+from runtime.errors import InputError
+from runtime.inputs import LOGITS, check_call
+from runtime.layout import logical_rows
+from runtime.model import TILE, MoEShape
+from runtime.plan import Step, bucket_for, default_table, pad_rows
+from runtime.reference import finalize as weighted_sum
+from runtime.shared_expert import SharedExpert
+
+_DTYPE_NAMES = {v: k for k, v in LOGITS.items()}
+#: i32 parameters the runtime knows how to fill, from (bucket, top_k).
+SCALARS = {"tokens": lambda m, k: m, "routes": lambda m, k: m * k}
+
+
+class MoELayer:
+    """One weight set bound to one device (see module docstring).
+
+    ``table``: M -> Step, per logits dtype name, overriding the default
+    dispatch (``runtime.plan.default_table``). ``poison``: fill every output
+    with NaN (ids with -1) before each launch, so unwritten elements show (a
+    test aid; it adds one fill per output)."""
+
+    def __init__(self, artifact, tensors: dict, shape: MoEShape, device: torch.device,
+                 table: dict | None = None, poison: bool = False):  # fmt: skip
+        self.artifact, self.shape, self.device = artifact, shape, device
+        self.ordinal = device.index
+        self.tensors = tensors
+        self.poison = poison
+        self.launchers = {v.name: artifact.launcher(v, self.ordinal) for v in artifact.variants}
+        self.variants = {v.name: v for v in artifact.variants}
+        self.maps = {}
+        for v in artifact.variants:
+            if v.tensor_maps not in self.maps:
+                self.maps[v.tensor_maps] = artifact.tensor_maps(tensors, v.tensor_maps, device)
+        self.rows = {
+            "rows1": logical_rows(2 * shape.inter, device),
+            "rows2": logical_rows(shape.hidden, device),
+            "rows": logical_rows(TILE, device),
+        }
+        # (kernel, dtype) -> {bucket: {finalize: variant}}
+        self.buckets: dict[tuple[str, str], dict[int, dict[bool, object]]] = {}
+        for v in artifact.variants:
+            slot = self.buckets.setdefault((v.kernel, v.logits_dtype), {})
+            slot.setdefault(v.tokens, {})[v.finalize] = v
+        self.tables = {}
+        for dtype in LOGITS:
+            kernels = {k: {b: set(f) for b, f in self.buckets.get((k, dtype), {}).items()}
+                       for k in ("mega", "grouped")}  # fmt: skip
+            self.tables[dtype] = dict(table[dtype]) if table else default_table(kernels)
+        self.dtypes = tuple(d for d in LOGITS if self.tables[d])
+        uses_mega = any(s.kernel == "mega" for t in self.tables.values() for s in t.values())
+        self.shared_expert = None
+        if uses_mega and shape.shared_experts:
+            self.shared_expert = SharedExpert(_expert(tensors, "s"), shape)
+
+    # Entries ------------------------------------------------------------------
+
+    def mega(self, x, logits, bias):
+        """Routed experts by the mega kernel: (out, ids, weights)."""
+        m, dtype = self._check(x, logits, bias, "mega")
+        step = self._step("mega", m, dtype, False)
+        out, ids, weights, _, _ = self._run(step, x, logits, bias, dtype)
+        return self._crop(m, out, ids, weights)
+
+    def grouped(self, x, logits, bias, finalize: bool = False):
+        """Routed plus shared expert by the grouped kernel: (out, ids, weights,
+        shared), or with ``finalize`` the BF16 [M, H] MoE output."""
+        m, dtype = self._check(x, logits, bias, "grouped")
+        step = self._step("grouped", m, dtype, finalize)
+        out, ids, weights, shared, final = self._run(step, x, logits, bias, dtype)
+        if finalize:
+            return final[:m]
+        return (*self._crop(m, out, ids, weights), shared[:m])
+
+    def __call__(self, x, logits, bias):
+        """The MoE layer's output BF16 [M, H] for any M in 1..64."""
+        m, dtype = self._check(x, logits, bias, None)
+        step = self.tables[dtype].get(m)
+        if step is None:
+            raise InputError(f"no {dtype}-logits variant of this artifact serves M = {m}")
+        out, ids, weights, shared, final = self._run(step, x, logits, bias, dtype)
+        if step.finalize:
+            return final[:m]
+        out, ids, weights = self._crop(m, out, ids, weights)
+        if step.kernel == "mega":
+            shared = self.shared_expert(x) if self.shared_expert is not None else None
+        else:
+            shared = shared[:m] if self.shape.shared_experts else None
+        total = weighted_sum(out, weights, shared, self.shape.top_k)
+        return total.to(torch.bfloat16)
+
+    # Parts ----------------------------------------------------------------------
+
+    def _check(self, x, logits, bias, kernel):
+        dtypes = self.dtypes
+        if kernel is not None:
+            dtypes = tuple(d for d in LOGITS if (kernel, d) in self.buckets)
+            if not dtypes:
+                raise InputError(f"this artifact has no {kernel} variant for {self.artifact.arch}")
+        m = check_call(x, logits, bias, self.shape, self.device, dtypes)
+        return m, _DTYPE_NAMES[logits.dtype]
+
+    def _step(self, kernel: str, m: int, dtype: str, finalize: bool) -> Step:
+        by_bucket = self.buckets.get((kernel, dtype), {})
+        served = {b for b, f in by_bucket.items() if finalize in f}
+        bucket = bucket_for(m, served)
+        if bucket is None:
+            raise InputError(
+                f"{kernel} (logits {dtype}, finalize {finalize}): no bucket serves M = {m} "
+                f"(compiled: {sorted(served)})"
+            )
+        return Step(kernel, bucket, finalize)
+
+    def _run(self, step: Step, x, logits, bias, dtype: str):
+        """Pads to the bucket, launches, returns bucket-sized outputs."""
+        variant = self.buckets[(step.kernel, dtype)][step.bucket][step.finalize]
+        mb, k, h = step.bucket, self.shape.top_k, self.shape.hidden
+        x, logits = pad_rows(x, mb), pad_rows(logits, mb)
+        dev = self.device
+        out = torch.empty(mb * k, h, dtype=torch.bfloat16, device=dev)
+        ids = torch.empty(mb * k, dtype=torch.int32, device=dev)
+        weights = torch.empty(mb * k, dtype=torch.float32, device=dev)
+        shared = torch.empty(mb, h, dtype=torch.bfloat16, device=dev)
+        final = torch.empty_like(shared) if step.finalize else shared
+        if self.poison:
+            for t in (out, weights, shared, final):
+                t.fill_(float("nan"))
+            ids.fill_(-1)
+        buffers = {
+            **self.tensors, **self.rows, "maps": self.maps[variant.tensor_maps],
+            "x": x, "logits": logits, "bias": bias, "out": out, "ids": ids,
+            "weights": weights, "shared_out": shared, "final": final,
+        }  # fmt: skip
+        self._launch(variant, buffers, mb)
+        return out, ids.view(mb, k), weights.view(mb, k), shared, final
+
+    def _launch(self, variant, buffers: dict, bucket: int) -> None:
+        """Fills ``variant``'s parameters by name and launches it on torch's
+        current stream of the layer's device."""
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        workspace = self.artifact.workspaces(self.ordinal).pointers(stream, variant)
+        values = []
+        for name, kind in variant.params:
+            if kind == "i32":
+                values.append(SCALARS[name](bucket, self.shape.top_k))
+            elif name in workspace:
+                values.append(workspace[name])
+            else:
+                values.append(buffers[name].data_ptr())
+        driver.make_current(self.ordinal)
+        self.launchers[variant.name](stream, values)
+
+    def _crop(self, m: int, out, ids, weights):
+        return out[: m * self.shape.top_k], ids[:m], weights[:m]
+
+
+def fillable(variant, tensors: dict) -> list[str]:
+    """Parameters of ``variant`` the layer cannot fill (should be none)."""
+    known = set(tensors) | {"maps", "rows1", "rows2", "rows", "x", "logits", "bias", "out",
+                            "ids", "weights", "shared_out", "final"}  # fmt: skip
+    known |= {w.name for w in variant.workspace}
+    missing = []
+    for name, kind in variant.params:
+        if (kind == "i32" and name not in SCALARS) or (kind == "pointer" and name not in known):
+            missing.append(f"{name} ({kind})")
+    return missing
+
+
+def _expert(tensors: dict, prefix: str):
+    from runtime.layout import ExpertWeights
+
+    return ExpertWeights(*(tensors[prefix + n] for n in ("13", "13_scale", "2", "2_scale")))
