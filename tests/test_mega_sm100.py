@@ -1,0 +1,263 @@
+"""The sm_100a mega kernel: host formulas (no compiler) and, marked
+``compile``, every glm5 mega bucket built for sm_100a and its SASS read back.
+
+There is no Blackwell GPU here: these tests show the kernel builds into the
+instructions the seed's design needs (tcgen05 FP8 UMMA, TMA, TMEM loads,
+DSMEM stores), within the launch's resources; they cannot show it computes
+the right numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kernels import mega_moe_sm100 as mega
+from kernels.grouped_plan import SMEM_LIMIT, SMEM_OPTIN
+from kernels.ptx import tcgen05 as tc
+from kernels.spec import PARAMETER_NAMES
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = REPO / "configs" / "glm5.yaml"
+GLM5 = {"hidden": 4096, "inter": 512, "experts": 288, "top_k": 8}
+#: Shared memory of one SM on B200 (228 KiB) and the 1 KiB the system reserves
+#: per CTA; two mega CTAs must fit (``min_blocks_per_mp=2``).
+SMEM_PER_SM, SMEM_PER_CTA_RESERVED = 233472, 1024
+REGISTERS_PER_SM = 65536
+
+
+def layout(tokens: int = 1, **shape) -> mega.MegaLayout:
+    return mega.MegaLayout(**{**GLM5, **shape}, tokens=tokens)
+
+
+# -- host formulas ---------------------------------------------------------------------------
+
+
+def test_layout_closed_forms():
+    lay = layout()
+    assert (lay.nk1, lay.nk2, lay.tiles1, lay.blocks1) == (32, 4, 8, 16)
+    assert (lay.rows2, lay.tiles2) == (256, 2)
+    # Stages: one K half of GEMM1 (H / 256 boxes), then 2 row tiles x I/128.
+    assert lay.loads == 4096 // 256 + (4096 // 16 // 128) * (512 // 128) == 24
+    assert lay.off_b1 == mega.STAGES * 128 * 128
+    assert lay.off_b2 == lay.off_b1 + 16 * 16 * 128
+    assert lay.off_partial == lay.off_b2 + 4 * 16 * 128
+    assert lay.bars == 2 * mega.STAGES + 2 + 2 + 4
+    assert lay.smem == (
+        mega.STAGES * 16384 + 20 * 2048 + 128 * 4 * 2 + 128 + 16 + 16 + 16 * 4 + lay.bars * 8 + 16
+    )
+    assert lay.routes == 8 and layout(tokens=4).routes == 32
+
+
+def test_layout_alignment_and_disjoint_regions():
+    lay = layout()
+    regions = lay.regions()
+    assert regions[0] == ("stages", 0, mega.STAGES * mega.STAGE_BYTES)
+    for (_, start, size), (_, nxt, _) in zip(regions, regions[1:], strict=False):
+        assert size > 0 and start + size == nxt
+    assert regions[-1][1] + regions[-1][2] == lay.smem
+    offsets = dict((name, start) for name, start, _ in regions)
+    # UMMA operands: 128B-swizzle atoms are 1024-byte aligned (every stage,
+    # every B tile: B_BYTES is a multiple of 1024).
+    for name in ("stages", "b1", "b2"):
+        assert offsets[name] % 1024 == 0
+    assert mega.STAGE_BYTES % 1024 == 0 and mega.B_BYTES % 1024 == 0
+    assert offsets["stage"] % 16 == 0  # 16-byte st.async sources
+    assert offsets["bar"] % 8 == 0
+    assert offsets["hscale"] % 4 == 0 and offsets["tmem"] % 4 == 0
+
+
+def test_layout_fits_two_ctas_per_sm():
+    lay = layout()
+    assert lay.smem <= SMEM_LIMIT["sm_100a"] <= SMEM_OPTIN["sm_100a"]
+    assert 2 * (lay.smem + SMEM_PER_CTA_RESERVED) <= SMEM_PER_SM
+    assert layout(tokens=4).smem == lay.smem  # independent of the bucket
+
+
+def test_tmem_columns_cover_every_accumulator():
+    lay = layout()
+    # GEMM1: COLUMNS columns; GEMM2: one COLUMNS group per row tile.
+    assert mega.COLUMNS * (1 + lay.tiles2) <= mega.TMEM_COLUMNS
+    assert mega.TMEM_COLUMNS & (mega.TMEM_COLUMNS - 1) == 0
+    assert tc.TMEM_MIN_COLUMNS <= mega.TMEM_COLUMNS <= tc.TMEM_MAX_COLUMNS
+    # Four epilogue warps cover the 128 TMEM lanes once each.
+    quadrants = sorted(w % 4 for w in range(mega.EPILOGUE, mega.THREADS // 32))
+    assert quadrants == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    ("shape", "words"),
+    [
+        ({"inter": 1024}, "2 * inter"),
+        ({"hidden": 2048}, "hidden / 128 / 2"),
+        ({"experts": 100}, "multiple of 32"),
+        ({"top_k": 33}, "top_k"),
+    ],
+)
+def test_layout_refuses_shapes_the_cluster_split_cannot_serve(shape, words):
+    problems = layout(**shape).problems()
+    assert problems and any(words in p for p in problems), problems
+    assert layout().problems() == []
+
+
+def test_instruction_descriptor():
+    # The value the DSL's own builder gives for M=128, N=32 (cute-dsl-notes 6).
+    assert tc.instruction_desc_e4m3(128, 32) == 0x08080010
+    d = mega.IDESC
+    assert (d >> 4) & 3 == 1  # F32 accumulator
+    assert (d >> 7) & 7 == 0 and (d >> 10) & 7 == 0  # E4M3 x E4M3
+    assert (d >> 15) & 3 == 0  # both K-major
+    assert ((d >> 17) & 0x3F) << 3 == mega.COLUMNS
+    assert ((d >> 24) & 0x1F) << 4 == 128
+    with pytest.raises(ValueError):
+        tc.instruction_desc_e4m3(128, 8)  # M=128 needs N % 16 == 0
+    with pytest.raises(ValueError):
+        tc.instruction_desc_e4m3(256, 16)  # cta_group::2 only
+
+
+def test_smem_descriptor_constant_bits():
+    bits = tc.SW128_K_DESC_BITS
+    assert (bits >> 16) & 0x3FFF == 1  # leading byte offset 16 B
+    assert (bits >> 32) & 0x3FFF == 1024 >> 4  # stride byte offset: 8 rows x 128 B
+    assert (bits >> 46) & 7 == 1  # sm_100 descriptor version
+    assert bits >> 61 == 2  # 128-byte swizzle
+    assert bits & 0x3FFF == 0  # the start address field is left free
+
+
+def test_spec_mismatch_is_refused():
+    from kernels.spec import KernelSpec
+
+    spec = KernelSpec("grouped", "sm_100a", 4096, 512, 288, 8, 2.5, 10.0, False, 8,
+                      "float32", False, 148)  # fmt: skip
+    with pytest.raises(ValueError, match="builds mega/sm_100a"):
+        mega.compile_kernel(spec)
+    with pytest.raises(ValueError, match="cannot serve"):
+        mega.layout_of(KernelSpec("mega", "sm_100a", 4096, 1024, 288, 8, 2.5, 10.0, False, 1,
+                                  "float32", False, 148))  # fmt: skip
+
+
+def test_params_follow_the_contract():
+    assert set(mega.PARAMS) <= set(PARAMETER_NAMES)
+    assert mega.PARAMS == (
+        "maps", "w13_scale", "w2_scale", "x", "logits", "bias", "rows1", "rows2", "out",
+        "ids", "weights",
+    )  # fmt: skip
+    assert mega.TENSOR_MAPS == ("w13", "w2")
+
+
+# -- compiled for sm_100a ----------------------------------------------------------------
+
+_COMPILE = r"""
+import json, sys, time
+from pathlib import Path
+from kernels.registry import prepare_process
+prepare_process("sm_100a")
+from kernels.registry import compile_variant
+from pipeline.config import load_config
+from pipeline.variants import expand
+
+out, config = Path(sys.argv[1]), load_config(sys.argv[2])
+records = []
+for v in expand(config, archs=["sm_100a"], kernels=[sys.argv[3]]):
+    start = time.perf_counter()
+    ck = compile_variant(v.spec(config))
+    seconds = time.perf_counter() - start
+    (out / (v.name + ".cubin")).write_bytes(ck.cubin)
+    records.append({
+        "name": v.name, "tokens": v.tokens, "top_k": config.model.top_k,
+        "seconds": round(seconds, 2), "entry": ck.entry,
+        "params": [[p.name, p.kind] for p in ck.params],
+        "grid": ck.launch.grid, "block": ck.launch.block, "cluster": ck.launch.cluster,
+        "smem": ck.launch.smem, "pdl": ck.launch.pdl, "maps": ck.tensor_maps,
+        "workspace": [[w.name, w.bytes, w.zero] for w in ck.workspace],
+        "notes": ck.notes,
+    })
+(out / "records.json").write_text(json.dumps(records))
+"""
+
+
+def cuobjdump() -> str:
+    found = sorted(Path(sys.prefix).rglob("cuobjdump"))
+    found = [p for p in found if p.is_file() and os.access(p, os.X_OK)]
+    if not found:
+        pytest.skip("cuobjdump (nvidia-cuda-cuobjdump wheel) is not installed")
+    return str(found[0])
+
+
+def compile_all(kernel: str, tmp_path: Path) -> list[dict]:
+    """Compiles every sm_100a variant of ``kernel`` in glm5.yaml in a fresh
+    process started for sm_100a (cwd: a temporary directory, so nothing the
+    DSL dumps lands in the repository)."""
+    env = {**os.environ, "CUTE_DSL_ARCH": "sm_100a", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(
+        [sys.executable, "-c", _COMPILE, str(tmp_path), str(CONFIG), kernel],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1800,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads((tmp_path / "records.json").read_text())
+
+
+def sass_counts(tool: str, cubin: Path) -> dict[str, int]:
+    sass = subprocess.run([tool, "--dump-sass", str(cubin)], capture_output=True, text=True,
+                          check=True).stdout  # fmt: skip
+    counts: dict[str, int] = {}
+    for op in re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)", sass):
+        counts[op] = counts.get(op, 0) + 1
+    return counts
+
+
+def resources(tool: str, cubin: Path) -> dict[str, int]:
+    text = subprocess.run([tool, "--dump-resource-usage", str(cubin)], capture_output=True,
+                          text=True, check=True).stdout  # fmt: skip
+    return {k: int(v) for k, v in re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", text)}
+
+
+def count(counts: dict[str, int], prefix: str) -> int:
+    return sum(n for op, n in counts.items() if op == prefix or op.startswith(prefix + "."))
+
+
+@pytest.mark.compile
+def test_every_glm5_mega_bucket_builds_for_sm100a(tmp_path):
+    tool = cuobjdump()
+    records = compile_all("mega", tmp_path)
+    assert sorted((r["tokens"], r["name"].split("-")[-1]) for r in records) == [
+        (m, dtype) for m in (1, 2, 3, 4) for dtype in ("bfloat16", "float32")
+    ]
+    for r in records:
+        cubin = tmp_path / (r["name"] + ".cubin")
+        ops, res = sass_counts(tool, cubin), resources(tool, cubin)
+        print(f"{r['name']}: {r['seconds']} s, REG {res['REG']}, smem {r['smem']}, "
+              f"UTCQMMA {count(ops, 'UTCQMMA')}, UTMALDG {count(ops, 'UTMALDG')}, "
+              f"LDTM {count(ops, 'LDTM')}, STAS {count(ops, 'STAS')}")  # fmt: skip
+        # Two UMMA sites (GEMM1, GEMM2) of four K32 FP8 UMMAs each, four
+        # commits (two stage releases, acc1, acc2), two TMA sites, three TMEM
+        # loads (GEMM1 16 columns, GEMM2 4 columns twice unrolled: the x4 load
+        # sits in a 2-trip constexpr loop), the DSMEM sends.
+        assert count(ops, "UTCQMMA") == 8, ops
+        assert count(ops, "UTCBAR") == 4, ops
+        assert count(ops, "UTMALDG") == 2 and "UTMALDG.3D" in ops, ops
+        assert ops.get("LDTM.x16", 0) == 1 and ops.get("LDTM.x4", 0) == 2, ops
+        assert count(ops, "STAS") >= 3 and "STAS.128" in ops, ops
+        assert "UTCATOMSWS.FIND_AND_SET.ALIGN" in ops and "UTCATOMSWS.AND" in ops, ops
+        assert "LDL" not in ops and "STL" not in ops, ops
+        assert res["LOCAL"] == 0 and res["STACK"] == 0, res
+        # Two CTAs per SM: registers and shared memory for both.
+        assert res["REG"] * mega.THREADS * mega.MIN_BLOCKS <= REGISTERS_PER_SM, res
+        assert r["smem"] + res["SHARED"] <= SMEM_OPTIN["sm_100a"] + SMEM_PER_CTA_RESERVED
+        assert 2 * (r["smem"] + res["SHARED"]) <= SMEM_PER_SM
+        assert r["smem"] <= SMEM_LIMIT["sm_100a"]
+        # Launch shape and ABI.
+        routes = r["tokens"] * r["top_k"]
+        assert r["entry"] == "moe_mega_sm100_0"
+        assert r["grid"] == [16 * routes, 1, 1] and r["cluster"] == [16, 1, 1]
+        assert r["block"] == [192, 1, 1] and r["pdl"] is True
+        assert r["params"] == [[name, "pointer"] for name in mega.PARAMS]
+        assert r["maps"] == ["w13", "w2"] and r["workspace"] == []
+        assert r["smem"] == layout(r["tokens"]).smem
+        assert r["notes"]["smem_limit"] == SMEM_LIMIT["sm_100a"]
