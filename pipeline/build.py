@@ -47,6 +47,25 @@ class BuildError(RuntimeError):
         super().__init__("\n".join(problems))
 
 
+class VariantsFailed(BuildError):
+    """Variants that did not compile or whose cubin contradicts their declared
+    ABI: ``failures`` maps variant name -> message."""
+
+    def __init__(self, failures: dict[str, str]):
+        self.failures = failures
+        super().__init__([f"variant {name}: {text}" for name, text in failures.items()])
+
+    def grouped(self) -> list[str]:
+        """One message per distinct error, naming every variant that hit it."""
+        by_text: dict[str, list[str]] = {}
+        for name, text in self.failures.items():
+            by_text.setdefault(text, []).append(name)
+        return [
+            f"variant{'s' if len(names) > 1 else ''} {', '.join(names)}: {text}"
+            for text, names in by_text.items()
+        ]
+
+
 class SelectionError(BuildError):
     """The request names archs, kernels or a shard the config cannot give."""
 
@@ -148,19 +167,19 @@ def build(req: BuildRequest, progress: Progress) -> Path:
             if v.name in results:
                 timings[v.name] = {"cached": True, "seconds": 0.0}
                 progress.variant(v.name, "cached", 0.0)
-        failures = []
+        failures = {}
         for v, result in _compile(plan, req.config):
             seconds = result.pop("seconds", 0.0)
             timings[v.name] = {"cached": False, "seconds": round(seconds, 3)}
             if "error" in result:
-                failures.append(f"variant {v.name}: {result['error']}")
+                failures[v.name] = result["error"]
                 progress.variant(v.name, "failed", seconds, result["error"])
                 continue
             req.cache.put(keys[v.name], result)
             results[v.name] = result
             progress.variant(v.name, "compiled", seconds)
         if failures:
-            raise BuildError(failures)
+            raise VariantsFailed(failures)
 
         records = []
         for v in variants:
@@ -168,11 +187,11 @@ def build(req: BuildRequest, progress: Progress) -> Path:
             try:
                 records.append(mf.variant_record(v, results[v.name], keys[v.name], packed))
             except mf.ManifestError as exc:
-                failures.append(str(exc))
+                failures[v.name] = str(exc)
                 continue
             staging.write(f"cubins/{v.name}.cubin.zst", packed)
         if failures:
-            raise BuildError(failures)
+            raise VariantsFailed(failures)
         extra = {}
         if req.shard is not None:
             extra["shard"] = {"index": req.shard.index, "count": req.shard.count,

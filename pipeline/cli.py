@@ -106,5 +106,81 @@ def compile_cmd(config, out, archs, kernels, jobs, shard, cache_dir, no_cache, a
     )
 
 
+@main.command()
+@click.argument("inputs", nargs=-1, required=True, type=click.Path())
+@click.option(
+    "-o",
+    "--out",
+    required=True,
+    type=click.Path(file_okay=False),
+    help="Merged artifact directory to write.",
+)
+def merge(inputs, out):
+    """Join shard artifacts (compile --shard i/n) into one artifact.
+
+    The result is byte-identical to building the same selection on one
+    machine. Refuses inputs of different configs or toolchains, and a set of
+    shards with one missing or repeated.
+    """
+    sys.exit(commands.merge(inputs, out))
+
+
+@main.command()
+@click.argument("artifact", type=click.Path())
+@click.option(
+    "-o",
+    "--out",
+    required=True,
+    type=click.Path(dir_okay=False),
+    help="Package file to write (.tar.zst).",
+)
+def package(artifact, out):
+    """Pack a verified ARTIFACT directory into one deterministic .tar.zst."""
+    sys.exit(commands.package(artifact, out))
+
+
+@main.command("inspect")
+@click.argument("artifact", type=click.Path())
+@click.option("--sass", "variant", default=None, help="Print this variant's SASS instead.")
+@click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
+def inspect_cmd(artifact, variant, as_json):
+    """Show what ARTIFACT (directory or package) holds, one row per variant."""
+    sys.exit(commands.inspect(artifact, variant, as_json))
+
+
+@main.command()
+@click.argument("artifact", type=click.Path())
+@click.option(
+    "--device",
+    "device",
+    is_flag=True,
+    help="Also load and run every variant of this GPU's arch (needs a GPU).",
+)
+@click.option("--ordinal", default=0, show_default=True, help="CUDA device ordinal.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def verify(artifact, device, ordinal, as_json):
+    """Check ARTIFACT's hashes, schema and manifest against its cubins.
+
+    With --device: also load each cubin of the GPU's arch, record what the
+    driver reports, run each variant once against the reference, and write
+    verify-<device>.json beside the manifest. Exit 0 when everything holds, 1
+    when something does not, 2 when the artifact cannot be read.
+    """
+    sys.exit(commands.verify(artifact, device, ordinal, as_json))
+
+
+@main.command()
+@click.argument("a", type=click.Path())
+@click.argument("b", type=click.Path())
+@click.option("--json", "as_json", is_flag=True, help="Print the changes as JSON.")
+def diff(a, b, as_json):
+    """What changed from artifact A to artifact B, per variant.
+
+    Exit 1 when anything ABI- or launch-relevant changed (or a verification
+    that passed in A fails in B), 0 otherwise, 2 when an artifact is unreadable.
+    """
+    sys.exit(commands.diff(a, b, as_json))
+
+
 if __name__ == "__main__":
     main()

@@ -55,7 +55,7 @@ def variant_record(variant: Variant, result: dict, key: str, packed: bytes) -> d
     worker.result_to_dict, ``packed`` its compressed cubin. Raises
     ManifestError when the cubin contradicts what the kernel declared."""
     cubin = result["cubin"]
-    label = f"variant {variant.name}"
+    label = "ABI check"
     try:
         info = read_cubin(cubin)
     except CubinError as exc:
@@ -87,7 +87,11 @@ def variant_record(variant: Variant, result: dict, key: str, packed: bytes) -> d
             "local_bytes": kernel.frame_bytes,
             "stack_bytes": max(kernel.min_stack_bytes, kernel.max_stack_bytes),
             "static_smem": kernel.static_smem,
-            "spills": None,
+            # ptxas reports spill bytes only in its log, never in the cubin. A
+            # kernel without a local frame cannot have spilled (spills live in
+            # the frame): 0. With a frame, the count is unknown: null, and
+            # local_bytes bounds it.
+            "spills": 0 if kernel.frame_bytes == 0 else None,
         },
         "workspace": result["workspace"],
         "ptxas": info.ptxas_version,
@@ -97,6 +101,8 @@ def variant_record(variant: Variant, result: dict, key: str, packed: bytes) -> d
 
 
 def _check_abi(label: str, variant: Variant, result: dict, info: CubinInfo):
+    """The cubin's entry for the declared one, after checking arch, entry,
+    parameter count and sizes and .reqntid against the declaration."""
     if info.arch != variant.arch:
         raise ManifestError(f"{label}: the cubin is for {info.arch}, expected {variant.arch}")
     entry = result["entry"]

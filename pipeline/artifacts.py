@@ -1,0 +1,66 @@
+"""Opening an existing artifact (directory or ``.tar.zst`` package) for the
+commands that read one: merge, package, inspect, verify, diff.
+
+Reading and integrity checks are the runtime's (runtime.artifact: schema,
+config hash, every cubin's sizes and sha256, safe unpacking); this module only
+adds the directory the files live in, so commands can reach the compressed
+bytes and the files beside the manifest (verify records).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from runtime import artifact
+from runtime.errors import ArtifactError
+
+__all__ = ["ArtifactError", "Opened", "open_artifact"]
+
+
+@dataclass(frozen=True)
+class Opened:
+    """A verified artifact and the directory holding its files (a temporary
+    one for a package, valid inside ``open_artifact``'s block)."""
+
+    root: Path
+    data: artifact.ArtifactData
+
+    @property
+    def manifest(self) -> dict:
+        return self.data.manifest
+
+    def extra_records(self, prefix: str = "verify-") -> dict[str, dict]:
+        """JSON files beside the manifest named ``<prefix>*.json`` -> content."""
+        import json
+
+        out = {}
+        for path in sorted(self.root.glob(f"{prefix}*.json")):
+            try:
+                out[path.name] = json.loads(path.read_text())
+            except (OSError, ValueError) as exc:
+                raise ArtifactError(f"{path}: not readable JSON ({exc})") from None
+        return out
+
+
+@contextlib.contextmanager
+def open_artifact(path: str | Path) -> Iterator[Opened]:
+    """Yields the verified artifact at ``path``; raises ArtifactError."""
+    path = Path(path)
+    if path.is_dir():
+        yield Opened(path, artifact.read(path))
+        return
+    if not path.is_file():
+        raise ArtifactError(f"artifact {path}: no such directory or file")
+    with tempfile.TemporaryDirectory(prefix="moe-build-open-") as tmp:
+        artifact.unpack(path, tmp)
+        root = Path(tmp)
+        if not (root / "manifest.json").is_file():
+            entries = list(root.iterdir())
+            if len(entries) == 1 and (entries[0] / "manifest.json").is_file():
+                root = entries[0]
+        data = artifact.read(root)
+        yield Opened(root, artifact.ArtifactData(str(path), data.manifest, data.variants))
