@@ -297,7 +297,7 @@ class MegaKernel:
             )  # fmt: skip
         if warp < EPILOGUE:
             ptx.cluster_wait()
-        self.release_tmem(tmem, warp)
+        tc.release_tmem(tmem, TMEM_COLUMNS, warp, 1)
 
     @cute.jit
     def top_k_pick(self, logits: cute.Tensor, bias: cute.Tensor, route, lane):
@@ -349,27 +349,27 @@ class MegaKernel:
         ptx.mbarrier_wait(b_ready, 0)
         for n in cutlass.range(lay.blocks1, unroll=1):
             slot = n % STAGES
-            self.wait_tmem(full + 8 * slot, (n // STAGES) % 2)
+            tc.wait_tmem(full + 8 * slot, (n // STAGES) % 2)
             self.umma_block(
                 tmem, adesc + slot * (STAGE_BYTES >> 4), b1desc + n * (B_BYTES >> 4), n > 0,
                 empty + 8 * slot,
             )  # fmt: skip
             cute.arch.sync_warp()
-        self.commit(acc1)
+        tc.commit_elected(acc1)
         ptx.mbarrier_wait_cluster(hrecv, 0)
         ptx.fence_proxy_async_shared()
         for m in cutlass.range(lay.tiles2 * nk2, unroll=1):
             n = lay.blocks1 + m
             slot = n % STAGES
             kb = m % nk2
-            self.wait_tmem(full + 8 * slot, (n // STAGES) % 2)
+            tc.wait_tmem(full + 8 * slot, (n // STAGES) % 2)
             self.umma_block(
                 tmem + COLUMNS * (1 + m // nk2), adesc + slot * (STAGE_BYTES >> 4),
                 b2desc + kb * (B_BYTES >> 4), kb > 0, empty + 8 * slot,
             )  # fmt: skip
             cute.arch.sync_warp()
             if kb == nk2 - 1:
-                self.commit(acc2 + 8 * (m // nk2))
+                tc.commit_elected(acc2 + 8 * (m // nk2))
 
     @cute.jit
     def epilogue(
@@ -419,8 +419,8 @@ class MegaKernel:
             scales[n] = ptx.ld_global_nc_f32(w_scale + n * 4) * ptx.ld_shared_f32(
                 sm + lay.off_xscale + n * 4
             )
-        self.wait_tmem(acc1, 0)
-        sums = self.load_tmem(tl, COLUMNS)
+        tc.wait_tmem(acc1, 0)
+        sums = tc.load_tmem(tl, COLUMNS)
         acc = Float32(0.0)
         for n in cutlass.range_constexpr(COLUMNS):
             acc = acc + sums[n] * scales[n]
@@ -453,8 +453,8 @@ class MegaKernel:
                 w2_scale.iterator.toint()
                 + ((expert * (lay.hidden // TILE) + first_row // TILE) * nk2) * 4
             )
-            self.wait_tmem(acc2 + 8 * t, 0)
-            parts = self.load_tmem(tl + COLUMNS * (1 + t), nk2)
+            tc.wait_tmem(acc2 + 8 * t, 0)
+            parts = tc.load_tmem(tl + COLUMNS * (1 + t), nk2)
             value = Float32(0.0)
             for kb2 in cutlass.range_constexpr(nk2):
                 value = value + parts[kb2] * (ptx.ld_global_nc_f32(w2 + kb2 * 4) * h_scales[kb2])
@@ -495,35 +495,13 @@ class MegaKernel:
     # -- helpers the seed calls but does not show ------------------------------------------
 
     @cute.jit
-    def wait_tmem(self, bar, phase):
-        """Waits for phase ``phase`` of a barrier completed by TMA or a UMMA
-        commit, then orders the following tcgen05 operations after it."""
-        ptx.mbarrier_wait(bar, phase)
-        tc.tcgen05_fence_after_thread_sync()
-
-    @cute.jit
-    def load_tmem(self, taddr, count: cutlass.Constexpr[int]):
-        """``count`` accumulator columns of this thread's TMEM lane, landed."""
-        got = tc.tcgen05_ld_32x32b(taddr, count)
-        tc.tcgen05_wait_ld()
-        return got
-
-    @cute.jit
     def umma_block(self, d, a, b, accumulate, empty):
         """Four K32 FP8 UMMAs of one 128-K block into ``d`` (the first
         accumulates iff ``accumulate``) from the elected lane, then commit the
         weight stage to ``empty``."""
         with cute.arch.elect_one():
-            tc.tcgen05_mma_f8f6f4(d, a, b, Int32(IDESC), Int32(accumulate))
-            for k in cutlass.range_constexpr(1, 4):
-                tc.tcgen05_mma_f8f6f4(d, a + 2 * k, b + 2 * k, Int32(IDESC), Int32(1))
+            tc.umma_k128(d, a, b, Int32(IDESC), accumulate)
             tc.tcgen05_commit(empty)
-
-    @cute.jit
-    def commit(self, bar):
-        """Arrival on ``bar`` once the elected lane's UMMAs are done."""
-        with cute.arch.elect_one():
-            tc.tcgen05_commit(bar)
 
     @cute.jit
     def store_async_dsmem(self, local_addr, value, local_bar, peer):
@@ -543,16 +521,6 @@ class MegaKernel:
     def store_bf16(self, addr, value):
         """One BF16 (round to nearest even) to global ``addr``."""
         ptx.st_global_u16(addr, ptx.cvt_bf16(value))
-
-    @cute.jit
-    def release_tmem(self, tmem, warp):
-        """Every TMEM read and UMMA is done (CTA barrier), then the allocating
-        warp frees the columns."""
-        tc.tcgen05_fence_before_thread_sync()
-        cute.arch.sync_threads()
-        if warp == 1:
-            tc.tcgen05_fence_after_thread_sync()
-            tc.tcgen05_dealloc(tmem, TMEM_COLUMNS)
 
 
 MegaKernel.kernel.set_name_prefix(ENTRY_PREFIX, remove_cutlass_symbol=True, keep_mangled_name=False)

@@ -10,14 +10,20 @@ Descriptor formats follow the PTX ISA "Matrix Descriptors" and "Instruction
 descriptor" sections for ``tcgen05.mma``; the values were checked against
 ``cutlass.experimental.primitives.Tcgen05SmemDesc`` / ``Tcgen05InstrDesc`` for
 the cases used here (E4M3 x E4M3 -> F32, both K-major, 128-byte swizzle).
+
+The last section composes these instructions into the few steps both sm_100a
+kernels take (a 128-K UMMA block, wait-then-fence, load-then-wait, release).
 """
 
 from __future__ import annotations
 
+import cutlass
+import cutlass.cute as cute
 from cutlass import Int32, Int64
 from cutlass.cutlass_dsl import dsl_user_op
 
 from ._asm import asm
+from .mbarrier import mbarrier_wait
 
 #: TMEM has 128 lanes and 512 32-bit columns per SM; an allocation is a power
 #: of two between 32 and 512 columns.
@@ -153,3 +159,56 @@ def _check_columns(columns: int) -> None:
         raise ValueError(
             f"TMEM columns {columns}: a power of two in {TMEM_MIN_COLUMNS}..{TMEM_MAX_COLUMNS}"
         )
+
+
+# -- compositions both sm_100a kernels use ---------------------------------------------------
+
+
+@cute.jit
+def umma_k128(d: Int32, adesc: Int64, bdesc: Int64, idesc, accumulate):
+    """Four K32 FP8 UMMAs over one 128-byte K block of K-major SW128 operands
+    (each step moves both descriptors by 32 bytes: ``+2``) into TMEM ``d``;
+    the first accumulates iff ``accumulate``, the others always. One thread
+    (inside ``elect_one``)."""
+    tcgen05_mma_f8f6f4(d, adesc, bdesc, idesc, Int32(accumulate))
+    for k in cutlass.range_constexpr(1, 4):
+        tcgen05_mma_f8f6f4(d, adesc + 2 * k, bdesc + 2 * k, idesc, Int32(1))
+
+
+@cute.jit
+def commit_elected(bar: Int32):
+    """``tcgen05_commit`` from the warp's elected lane (the lane that issued
+    the UMMAs: ``elect.sync`` picks the same lane of a converged warp)."""
+    with cute.arch.elect_one():
+        tcgen05_commit(bar)
+
+
+@cute.jit
+def wait_tmem(bar: Int32, phase):
+    """Waits for phase ``phase`` of a barrier completed by TMA, a UMMA commit
+    or a thread's arrival, then orders this thread's later tcgen05 operations
+    after it."""
+    mbarrier_wait(bar, phase)
+    tcgen05_fence_after_thread_sync()
+
+
+@cute.jit
+def load_tmem(taddr: Int32, count: cutlass.Constexpr[int]):
+    """``count`` accumulator columns of this thread's TMEM lane, landed
+    (``tcgen05_ld_32x32b`` + ``tcgen05_wait_ld``)."""
+    got = tcgen05_ld_32x32b(taddr, count)
+    tcgen05_wait_ld()
+    return got
+
+
+@cute.jit
+def release_tmem(
+    taddr: Int32, columns: cutlass.Constexpr[int], warp, owner: cutlass.Constexpr[int]
+):
+    """Every thread of the CTA: once all TMEM loads and UMMAs are done (CTA
+    barrier), warp ``owner`` (the one that allocated) frees the columns."""
+    tcgen05_fence_before_thread_sync()
+    cute.arch.sync_threads()
+    if warp == owner:
+        tcgen05_fence_after_thread_sync()
+        tcgen05_dealloc(taddr, columns)
