@@ -1,0 +1,887 @@
+"""Architecture-independent device code of the grouped kernel (sm_90a and
+sm_100a): the call's start (routing, activation quantization, parity
+counters), unit numbering and route ranking, stage ranges and ownership,
+stage words, the weight producer, the B-tile gatherers, the FC1 pair close
+(partials, clamped SwiGLU, FP8 hidden), the FC2 output rows and the finalize.
+
+``grouped_plan`` states the same formulas in plain Python (and tests them);
+the functions here are their device versions. What differs per architecture
+is only the MMA and where its accumulators live; an architecture's epilogue
+describes its accumulator fragment with a ``Fragment`` (which tokens and
+logical rows each thread holds) and calls ``close_pair`` / ``store_rows``.
+
+Conventions: global addresses are ``Int64`` bytes (``tensor.iterator.toint()``),
+shared addresses ``Int32``; ``e`` is a thread's index in the 128-thread
+epilogue group. Every kernel runs ``THREADS`` = 256 threads: warp 0 is the
+weight producer, then the gatherer warps, and the epilogue's four warps last.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64, Uint32
+
+from kernels import moe_common as mc
+from kernels import ptx
+from kernels.grouped_plan import (
+    BIT_CLOSES,
+    BIT_FC2,
+    BIT_HALF,
+    BIT_OPENS,
+    DEPTH,
+    END,
+    GROUP,
+    KB_BITS,
+    S_J2A,
+    S_J2B,
+    S_LO1A,
+    S_LO1B,
+    S_N1A,
+    S_N1B,
+    S_PARITY,
+    S_S1A,
+    S_S1B,
+    S_SPLIT,
+    S_UNITS,
+    SCALARS,
+    SHIFT_KB,
+    SHIFT_TILE,
+    SPLIT_UNITS,
+    STAGE_BYTES,
+    TILE,
+    TILE_BITS,
+    UNIT_BITS,
+    GroupedPlan,
+    SmemLayout,
+)
+
+THREADS = 256
+EPILOGUE_THREADS = 128
+FULL_ARRIVALS = 34  # the producer's expect_tx, 32 gatherer lanes' cp.async, lane 0's scales
+# Named barriers (0 is __syncthreads): 1 the epilogue group, 2 unit tables
+# ready, 3 routes ranked.
+BAR_EPILOGUE, BAR_TABLES, BAR_RANKED = 1, 2, 3
+
+
+def view(addr: Int32, dtype, n: int, align: int = 4):
+    """A shared-memory tensor of ``n`` ``dtype`` at shared address ``addr``."""
+    ptr = cute.make_ptr(dtype, addr, cute.AddressSpace.smem, assumed_align=align)
+    return cute.make_tensor(ptr, cute.make_layout((n,)))
+
+
+@dataclass(frozen=True)
+class Tables:
+    """Views of one CTA's shared memory (``SmemLayout``) from its 1024-aligned
+    base address; barriers as addresses. (Frozen: the DSL then passes it
+    through runtime control flow as a compile-time value.)"""
+
+    base: object  # Int32 shared address
+    layout: SmemLayout
+    plan: GroupedPlan
+
+    def _view(self, offset: int, dtype, n: int):
+        return view(self.base + offset, dtype, n)
+
+    picks = property(lambda t: t._view(t.layout.off_picks, Int32, t.plan.routes))
+    mask = property(lambda t: t._view(t.layout.off_mask, Uint32, 2 * t.plan.experts))
+    eoff = property(lambda t: t._view(t.layout.off_eoff, Int32, t.plan.experts))
+    uexp = property(lambda t: t._view(t.layout.off_uexp, Int32, t.plan.max_units))
+    uoff = property(lambda t: t._view(t.layout.off_uoff, Int32, t.plan.max_units + 1))
+    ucnt = property(lambda t: t._view(t.layout.off_ucnt, Int32, t.plan.max_units))
+    flat = property(lambda t: t._view(t.layout.off_flat, Int32, t.plan.routes + t.plan.tokens))
+    scal = property(lambda t: t._view(t.layout.off_scal, Int32, SCALARS))
+    desc = property(lambda t: t._view(t.layout.off_desc, Uint32, t.layout.posts))
+    ring = property(lambda t: t._view(t.layout.off_ring, Float32, t.layout.ring * DEPTH * GROUP))
+    amax = property(lambda t: t._view(t.layout.off_amax, Float32, 4 * GROUP))
+    weights = property(lambda t: t.base + t.layout.off_w)  # stage s at + s * a_bytes
+    tokens = property(lambda t: t.base + t.layout.off_b)  # stage s at + s * b_bytes
+
+    def hs(self, gatherer):
+        """The hidden scales [GROUP, nk2] of gatherer ``gatherer``'s FC2 unit."""
+        size = GROUP * self.plan.nk2
+        return view(self.base + self.layout.off_hs + gatherer * (size * 4), Float32, size)
+
+    def _bar(self, index):
+        return self.base + self.layout.off_bar + index * 8
+
+    def full(self, slot):
+        return self._bar(slot)
+
+    def empty(self, slot):
+        return self._bar(self.layout.stages + slot)
+
+    def acc_full(self, slot):
+        return self._bar(2 * self.layout.stages + slot)
+
+    def acc_empty(self, slot):
+        return self._bar(2 * self.layout.stages + self.layout.slots + slot)
+
+    def posted(self, index):
+        return self._bar(2 * self.layout.stages + 2 * self.layout.slots + index)
+
+
+class Fragment:
+    """Which (token, logical row) each epilogue thread holds in its
+    ``values``-long register tensors (``up`` / ``gate``): ``slots`` tokens,
+    ``rows`` rows each; ``index(s, r)`` is the register of slot s, row r
+    (trace-time ints); ``token(s)`` / ``row(s, r)`` (row within a 128-row tile)
+    may be runtime values. ``paired``: rows 2i and 2i + 1 of a slot are
+    logical neighbours (even first), stored as one 2-element word.
+    ``shuffles``: xor lane offsets joining the lanes that hold the same tokens
+    (a token's amax over the warp); ``warp``: the thread's warp in the group;
+    ``amax_writer``: this lane writes its warp's amax; ``scale_writer``: this
+    thread writes the tokens' hidden scales (one thread per token of the whole
+    group). Subclasses are frozen dataclasses (compile-time values to the
+    DSL's control flow)."""
+
+    slots: int
+    rows: int
+    paired: bool
+    shuffles: tuple
+
+    @property
+    def values(self) -> int:
+        return self.slots * self.rows
+
+
+@dataclass(frozen=True)
+class RowFragment(Fragment):
+    """One logical row per thread (thread e holds physical row e), every
+    token: the tcgen05 ``32x32b`` TMEM load layout."""
+
+    e: object  # Int32: thread in the epilogue group
+    logical: object  # Int32: its logical row
+    slots = GROUP
+    rows = 1
+    paired = False
+    shuffles = (1, 2, 4, 8, 16)
+
+    warp = property(lambda f: f.e // 32)
+    amax_writer = property(lambda f: f.e % 32 == 0)
+    scale_writer = property(lambda f: f.e == 0)
+
+    def index(self, s, r):
+        return s
+
+    def token(self, s):
+        return s
+
+    def row(self, s, r):
+        return self.logical
+
+
+class GroupedCommon:
+    """Device code shared by the grouped kernels; an architecture's kernel
+    class derives from it and provides ``GATHERERS`` and ``EPILOGUE_WARP``
+    (first warp of the epilogue group)."""
+
+    GATHERERS = 2
+    EPILOGUE_WARP = 4
+
+    def __init__(self, spec, layout: SmemLayout):
+        self.spec = spec
+        self.plan = plan = GroupedPlan.from_spec(spec)
+        self.layout = layout
+        self.hidden, self.inter, self.experts = plan.hidden, plan.inter, plan.experts
+        self.top_k, self.tokens, self.grid = plan.top_k, plan.tokens, plan.grid
+        self.limit, self.scale, self.ue8m0 = spec.limit, spec.scale, spec.ue8m0
+        self.finalize = spec.finalize
+        self.logits_bf16 = spec.logits_dtype == "bfloat16"
+        self.nk1, self.nk2, self.pairs, self.tiles2 = plan.nk1, plan.nk2, plan.pairs, plan.tiles2
+        self.span, self.unit1, self.job = plan.span, plan.unit1, plan.job
+        self.routes, self.shared_units = plan.routes, plan.shared_units
+        self.max_units, self.chunk = plan.max_units, plan.chunk
+        self.counters = plan.counters
+        self.stages, self.posts, self.ring = layout.stages, layout.posts, layout.ring
+        self.columns = DEPTH * GROUP  # scale-ring floats of a stage
+        assert self.GATHERERS + 1 <= self.EPILOGUE_WARP
+        assert THREADS == 32 * self.EPILOGUE_WARP + EPILOGUE_THREADS
+
+    # -- the call's start ---------------------------------------------------------------
+
+    @cute.jit
+    def init_barriers(self, t: Tables, empty_arrivals: cutlass.Constexpr[int]):
+        """One thread: every barrier of the rings (``empty_arrivals`` per
+        consumed stage, architecture-dependent)."""
+        for s in cutlass.range_constexpr(self.stages):
+            ptx.mbarrier_init(t.full(s), FULL_ARRIVALS)
+            ptx.mbarrier_init(t.empty(s), empty_arrivals)
+        for s in cutlass.range_constexpr(self.layout.slots):
+            ptx.mbarrier_init(t.acc_full(s), 1)
+            ptx.mbarrier_init(t.acc_empty(s), 4)
+        for p in cutlass.range_constexpr(self.posts):
+            ptx.mbarrier_init(t.posted(p), 1)
+        ptx.fence_mbarrier_init()
+
+    @cute.jit
+    def prefetch_static(self, s13: Int64, s2: Int64, w13_scale: Int64, w2_scale: Int64,
+                        cta: Int32, which: cutlass.Constexpr[int]):  # fmt: skip
+        """Pulls this CTA's slice of static inputs into L2 before the PDL wait
+        (weights never depend on the previous kernel): ``which`` 0 the shared
+        expert's weights (every call reads them), 1 the routed experts' block
+        scales (on the gatherers' critical path)."""
+        sizes = (
+            (self.hidden * 2 * self.inter, self.inter * self.hidden)  # s13, s2 bytes
+            if which == 0
+            else (
+                self.experts * 2 * self.pairs * self.nk1 * 4,  # w13_scale bytes
+                self.experts * self.tiles2 * self.nk2 * 4,  # w2_scale bytes
+            )
+        )
+        for k in cutlass.range_constexpr(2):
+            addr = (s13 if k == 0 else s2) if which == 0 else (w13_scale if k == 0 else w2_scale)
+            size = sizes[k]
+            piece = (size // self.grid + 255) // 256 * 256
+            start = cta * piece
+            if start < size:
+                self._prefetch(addr + Int64(start), cutlass.min(piece, size - start))
+
+    @cute.jit
+    def _prefetch(self, addr: Int64, size: Int32):
+        """L2 prefetch of ``size`` bytes (a multiple of 16) in 32 KiB pieces."""
+        for off in cutlass.range(0, size, 32768, unroll=1):
+            ptx.prefetch_l2_bulk(addr + Int64(off), cutlass.min(size - off, 32768))
+
+    @cute.jit
+    def route(self, logits: Int64, bias: Int64, ids: Int64, weights: Int64, token: Int32,
+              lane: Int32):  # fmt: skip
+        """One warp: top-k of ``token`` into ``ids`` / ``weights`` (row token)."""
+        esize = 2 if self.logits_bf16 else 4
+        row = logits + Int64(token) * (self.experts * esize)
+        expert, weight = mc.route_token(
+            row, bias, lane, self.experts, self.top_k, self.scale, self.logits_bf16
+        )
+        if lane < self.top_k:
+            route = Int64(token * self.top_k + lane)
+            ptx.st_global_u32(ids + route * 4, Uint32(expert))
+            ptx.st_global_f32(weights + route * 4, weight)
+
+    @cute.jit
+    def quantize(self, x: Int64, plan_x: Int64, plan_s: Int64, token: Int32, e: Int32):
+        """The epilogue group: FP8 per 128 columns of ``token`` into the plan
+        (codes [token, H], scales [token, H/128]); four threads per 128
+        columns, 32 values each."""
+        chunks = self.hidden // 32
+        for i in cutlass.range_constexpr((chunks + EPILOGUE_THREADS - 1) // EPILOGUE_THREADS):
+            c = e + i * EPILOGUE_THREADS
+            active = c < chunks
+            values = cute.make_rmem_tensor(cute.make_layout((32,)), Float32)
+            for v in cutlass.range_constexpr(32):
+                values[v] = Float32(0.0)
+            source = x + (Int64(token) * self.hidden + Int64(c) * 32) * 2
+            if active:
+                for h in cutlass.range_constexpr(4):
+                    mc.load_bf16x8(source + h * 16, values, 8 * h)
+            words, sx = mc.quantize_activations(values, 4, self.ue8m0)
+            if active:
+                target = plan_x + Int64(token) * self.hidden + Int64(c) * 32
+                for h in cutlass.range_constexpr(2):
+                    ptx.st_global_v4_u32(
+                        target + 16 * h, words[4 * h], words[4 * h + 1], words[4 * h + 2],
+                        words[4 * h + 3],
+                    )  # fmt: skip
+                if c % 4 == 0:
+                    ptx.st_global_f32(plan_s + (Int64(token) * self.nk1 + c // 4) * 4, sx)
+
+    def parity_block(self, counters: Int64, parity) -> Int64:
+        """Address of counter block ``parity``."""
+        return counters + Int64(parity) * (self.counters.words * 4)
+
+    @cute.jit
+    def start_call(self, t: Tables, counters: Int64, logits: Int64, bias: Int64, ids: Int64,
+                   weights: Int64, x: Int64, plan_x: Int64, plan_s: Int64, cta: Int32,
+                   tid: Int32, warp: Int32, lane: Int32):  # fmt: skip
+        """After the PDL wait: CTA t < M routes and quantizes token t; every CTA
+        learns its call parity, zeroes its slice of the other parity's counters
+        (the next call's) and waits until every token is in the plan. Returns
+        this call's counter block."""
+        words = self.counters.words
+        calls = counters + self.counters.calls * 4
+        scal = t.scal
+        if tid == 32:
+            scal[S_PARITY] = Int32(ptx.ld_global_cg_u32(calls)) // self.grid
+        if cta < self.tokens:
+            if warp == 0:
+                self.route(logits, bias, ids, weights, cta, lane)
+            elif warp >= self.EPILOGUE_WARP:
+                self.quantize(x, plan_x, plan_s, cta, tid - self.EPILOGUE_WARP * 32)
+            ptx.fence_acq_rel_gpu()
+        cute.arch.sync_threads()
+        parity = scal[S_PARITY]
+        mine = self.parity_block(counters, parity)
+        other = self.parity_block(counters, 1 - parity)
+        per_cta = (words + self.grid - 1) // self.grid
+        if tid < per_cta and cta * per_cta + tid < words:
+            ptx.st_global_u32(other + Int64(cta * per_cta + tid) * 4, Uint32(0))
+        if tid == 0:
+            if cta < self.tokens:
+                ptx.red_add_release_gpu_u32(mine, Uint32(1))
+            while ptx.ld_acquire_gpu_u32(mine) < Uint32(self.tokens):
+                pass
+        cute.arch.sync_threads()
+        ptx.fence_acq_rel_gpu()
+        return mine
+
+    # -- units ----------------------------------------------------------------------------
+
+    @cute.jit
+    def number_units(self, t: Tables, ids: Int64, tid: Int32, warp: Int32, lane: Int32,
+                     cta: Int32):  # fmt: skip
+        """Unit tables: the shared expert's units (tokens 0..15, 16..31, ...),
+        then the routed experts in expert order, each expert's routes in token
+        order, one unit per started GROUP; and this CTA's stage ranges. Warp 0
+        (the producer) goes on once the tables are written; the other warps
+        also rank the routes into ``flat`` (named barrier BAR_RANKED)."""
+        experts, routes = self.experts, self.routes
+        mask, picks, eoff, flat = t.mask, t.picks, t.eoff, t.flat
+        uexp, uoff, ucnt = t.uexp, t.uoff, t.ucnt
+        for i in cutlass.range(tid, 2 * experts, THREADS, unroll=1):
+            mask[i] = Uint32(0)
+        for r in cutlass.range(tid, routes, THREADS, unroll=1):
+            picks[r] = Int32(ptx.ld_global_cg_u32(ids + Int64(r) * 4))
+        cute.arch.sync_threads()
+        mask_addr = t.base + self.layout.off_mask
+        for r in cutlass.range(tid, routes, THREADS, unroll=1):
+            token = r // self.top_k
+            ptx.red_or_shared_u32(
+                mask_addr + (2 * picks[r] + token // 32) * 4, Uint32(1) << Uint32(token % 32)
+            )
+        cute.arch.sync_threads()
+        if warp == 0:
+            per = experts // 32
+            counts = cute.make_rmem_tensor(cute.make_layout((per,)), Int32)
+            distinct = Int32(0)
+            count = Int32(0)
+            for j in cutlass.range_constexpr(per):
+                e = lane * per + j
+                counts[j] = Int32(cute.arch.popc(mask[2 * e]) + cute.arch.popc(mask[2 * e + 1]))
+                count = count + counts[j]
+                distinct = distinct + (counts[j] + GROUP - 1) // GROUP
+            units = distinct
+            routed = count
+            for shift in cutlass.range_constexpr(5):
+                a = cute.arch.shuffle_sync_up(units, offset=1 << shift)
+                b = cute.arch.shuffle_sync_up(routed, offset=1 << shift)
+                if lane >= (1 << shift):
+                    units = units + a
+                    routed = routed + b
+            unit = units - distinct + self.shared_units
+            start = routed - count + self.tokens
+            for j in cutlass.range_constexpr(per):
+                e = lane * per + j
+                n = counts[j]
+                eoff[e] = start
+                # Experts of more than GROUP tokens run as several units.
+                for i in cutlass.range(0, n, GROUP, unroll=1):
+                    uexp[unit] = e
+                    uoff[unit] = start + i
+                    ucnt[unit] = cutlass.min(n - i, GROUP)
+                    unit = unit + 1
+                start = start + n
+            if lane < self.shared_units:
+                uexp[lane] = Int32(-1)
+                uoff[lane] = lane * GROUP
+                ucnt[lane] = cutlass.min(self.tokens - lane * GROUP, GROUP)
+            if lane == 31:
+                uoff[units + self.shared_units] = start
+                self.ranges(t, units + self.shared_units, cta)
+        for i in cutlass.range(tid, self.tokens, THREADS, unroll=1):
+            flat[i] = i
+        if warp == 0:
+            cute.arch.sync_warp()
+            ptx.bar_arrive(BAR_TABLES, THREADS)
+        else:
+            ptx.bar_sync(BAR_TABLES, THREADS)
+            self.rank_routes(t, tid - 32)
+            ptx.bar_sync(BAR_RANKED, THREADS - 32)
+
+    @cute.jit
+    def rank_routes(self, t: Tables, i: Int32):
+        """``flat``: each expert's routes in token order (rows ``eoff[e]``..)."""
+        mask, picks, eoff, flat = t.mask, t.picks, t.eoff, t.flat
+        for r in cutlass.range(i, self.routes, THREADS - 32, unroll=1):
+            e = picks[r]
+            token = r // self.top_k
+            low = mask[2 * e]
+            rank = Int32(0)
+            if token < 32:
+                rank = Int32(cute.arch.popc(low & ((Uint32(1) << Uint32(token)) - Uint32(1))))
+            else:
+                below = (Uint32(1) << Uint32(token - 32)) - Uint32(1)
+                rank = Int32(cute.arch.popc(low) + cute.arch.popc(mask[2 * e + 1] & below))
+            flat[eoff[e] + rank] = r
+
+    @cute.jit
+    def ranges(self, t: Tables, units: Int32, cta: Int32):
+        """This CTA's FC1 stage ranges of halves A and B and their FC2 job
+        counts (``grouped_plan.ranges``)."""
+        scal = t.scal
+        split = units
+        if units > SPLIT_UNITS:
+            split = (units + 1) // 2
+        s1a = split * self.unit1
+        s1b = (units - split) * self.unit1
+        lo1a = cta * s1a // self.grid
+        lo1b = cta * s1b // self.grid
+        scal[S_UNITS] = units
+        scal[S_SPLIT] = split
+        scal[S_S1A] = s1a
+        scal[S_S1B] = s1b
+        scal[S_LO1A] = lo1a
+        scal[S_LO1B] = lo1b
+        scal[S_J2A] = split * self.tiles2
+        scal[S_J2B] = (units - split) * self.tiles2
+        scal[S_N1A] = (cta + 1) * s1a // self.grid - lo1a
+        scal[S_N1B] = (cta + 1) * s1b // self.grid - lo1b
+
+    def owner(self, s, size):
+        """The CTA whose range of a ``size``-stage half holds stage ``s``."""
+        return ((s + 1) * self.grid - 1) // size
+
+    @cute.jit
+    def locate(self, t: Tables, n):
+        """(half, unit, row tile, K block, stage index in its half) of this
+        CTA's n-th FC1 stage (``grouped_plan.locate``)."""
+        n1a = t.scal[S_N1A]
+        s = t.scal[S_LO1A] + n
+        half = Int32(0)
+        unit = s // self.unit1
+        if n >= n1a:
+            s = t.scal[S_LO1B] + n - n1a
+            half = Int32(1)
+            unit = t.scal[S_SPLIT] + s // self.unit1
+        q = s % self.unit1
+        tile = q // self.span + self.pairs * (q % 2)
+        kb = DEPTH * ((q % self.span) // 2)
+        return half, unit, tile, kb, s
+
+    @cute.jit
+    def describe(self, t: Tables, n):
+        """This CTA's n-th FC1 stage word (``grouped_plan.describe``)."""
+        half, unit, tile, kb, s = self.locate(t, n)
+        n1a = t.scal[S_N1A]
+        n1 = n1a + t.scal[S_N1B]
+        opens = (n == 0) | (n == n1a) | (s % self.span == 0)
+        closes = (n == n1a - 1) | (n == n1 - 1) | (s % self.span == self.span - 1)
+        word = Uint32(unit) | (Uint32(tile) << SHIFT_TILE) | (Uint32(kb) << SHIFT_KB)
+        word = word | (Uint32(half) << BIT_HALF)
+        return word | (Uint32(opens) << BIT_OPENS) | (Uint32(closes) << BIT_CLOSES)
+
+    def unpack(self, word):
+        """(FC2, half, unit, row tile, K block, opens, closes) of a stage word."""
+        return (
+            ((word >> BIT_FC2) & Uint32(1)) != Uint32(0),
+            Int32((word >> BIT_HALF) & Uint32(1)),
+            Int32(word & Uint32((1 << UNIT_BITS) - 1)),
+            Int32((word >> SHIFT_TILE) & Uint32((1 << TILE_BITS) - 1)),
+            Int32((word >> SHIFT_KB) & Uint32((1 << KB_BITS) - 1)),
+            ((word >> BIT_OPENS) & Uint32(1)) != Uint32(0),
+            ((word >> BIT_CLOSES) & Uint32(1)) != Uint32(0),
+        )
+
+    # -- weights --------------------------------------------------------------------------
+
+    @cute.jit
+    def weight_box(self, t: Tables, word):
+        """(tensor map index, row tile, first K block chunk) of a stage's
+        weights; maps are w13, w2, s13, s2."""
+        fc2, _, unit, tile, kb, _, _ = self.unpack(word)
+        expert = t.uexp[unit]
+        index = Int32(0)
+        if expert < 0:  # the shared expert's maps
+            index = Int32(2)
+            expert = Int32(0)
+        chunk = expert * self.nk1 + kb
+        if fc2:
+            index = index + 1
+            chunk = expert * self.nk2 + kb
+        return index, tile, chunk
+
+    @cute.jit
+    def weight_scale(self, t: Tables, word, d, w13_scale: Int64, w2_scale: Int64,
+                     s13_scale: Int64, s2_scale: Int64):  # fmt: skip
+        """The FP32 weight block scale of K block d of a stage."""
+        fc2, _, unit, tile, kb, _, _ = self.unpack(word)
+        expert = t.uexp[unit]
+        safe = Int64(cutlass.max(expert, Int32(0)))
+        value = Float32(0.0)
+        if fc2:
+            index = (safe * self.tiles2 + tile) * self.nk2 + kb + d
+            base = w2_scale
+            if expert < 0:
+                base = s2_scale
+            value = ptx.ld_global_nc_f32(base + index * 4)
+        else:
+            index = (safe * (2 * self.pairs) + tile) * self.nk1 + kb + d
+            base = w13_scale
+            if expert < 0:
+                base = s13_scale
+            value = ptx.ld_global_nc_f32(base + index * 4)
+        return value
+
+    # -- the producer (warp 0, one lane) -------------------------------------------------
+
+    @cute.jit
+    def post(self, t: Tables, maps: Int64, n, word):
+        """Posts stage n's word, then loads its weights (END: arrive only)."""
+        slot = n % self.stages
+        if n >= self.stages:
+            ptx.mbarrier_wait(t.empty(slot), ((n // self.stages) - 1) % 2)
+        desc = t.desc
+        desc[n % self.posts] = word
+        ptx.mbarrier_arrive(t.posted(n % self.posts))
+        if word == Uint32(END):
+            ptx.mbarrier_arrive(t.full(slot))
+        else:
+            index, tile, chunk = self.weight_box(t, word)
+            ptx.mbarrier_arrive_expect_tx(t.full(slot), self.layout.a_bytes)
+            tmap = maps + Int64(index) * 128
+            for d in cutlass.range_constexpr(DEPTH):
+                ptx.tma_load_3d(
+                    t.weights + slot * self.layout.a_bytes + d * STAGE_BYTES, tmap,
+                    t.full(slot), Int32(0), tile * TILE, chunk + d,
+                )  # fmt: skip
+
+    @cute.jit
+    def produce(self, t: Tables, maps: Int64, jobs: Int64):
+        """Weights of this CTA's FC1 stages, then of the FC2 jobs it claims
+        ``chunk`` at a time from the per-half job counters (FC2 balances FC1's
+        uneven finish), then one END per gatherer."""
+        n1 = t.scal[S_N1A] + t.scal[S_N1B]
+        for n in cutlass.range(n1, unroll=1):
+            self.post(t, maps, n, self.describe(t, n))
+        n = n1
+        half = Int32(0)
+        claim = Int32(ptx.atom_add_release_gpu_u32(jobs, Uint32(self.chunk)))
+        while half < 2:
+            count = t.scal[S_J2A]
+            first = Int32(0)
+            if half == 1:
+                count = t.scal[S_J2B]
+                first = t.scal[S_SPLIT]
+            if claim < count:
+                start = claim
+                # The next claim is in flight while these jobs' stages load.
+                claim = Int32(ptx.atom_add_release_gpu_u32(jobs + Int64(half) * 4,
+                                                           Uint32(self.chunk)))  # fmt: skip
+                for job in cutlass.range(start, cutlass.min(start + self.chunk, count), unroll=1):
+                    unit = first + job // self.tiles2
+                    tile = job % self.tiles2
+                    for k in cutlass.range_constexpr(self.job):
+                        word = Uint32(unit) | (Uint32(tile) << SHIFT_TILE)
+                        word = word | (Uint32(DEPTH * k) << SHIFT_KB) | Uint32(1 << BIT_FC2)
+                        if cutlass.const_expr(k == 0):
+                            word = word | Uint32(1 << BIT_OPENS)
+                        if cutlass.const_expr(k == self.job - 1):
+                            word = word | Uint32(1 << BIT_CLOSES)
+                        self.post(t, maps, n, word)
+                        n = n + 1
+            else:
+                half = half + 1
+                if half < 2:
+                    claim = Int32(ptx.atom_add_release_gpu_u32(jobs + 4, Uint32(self.chunk)))
+        for g in cutlass.range_constexpr(self.GATHERERS):
+            self.post(t, maps, n + g, Uint32(END))
+
+    # -- the gatherers ----------------------------------------------------------------------
+
+    @cute.jit
+    def gather(self, t: Tables, plan_x: Int64, plan_s: Int64, hidden: Int64, hscale: Int64,
+               unit_ready: Int64, lane: Int32, w13_scale: Int64, w2_scale: Int64,
+               s13_scale: Int64, s2_scale: Int64, gatherer: Int32):  # fmt: skip
+        """Stages ``gatherer``, ``gatherer + GATHERERS``, ... up to END: each
+        stage's B tile, the unit's token rows of K blocks kb.. (FC1: the
+        quantized tokens, FC2: the unit's hidden), 128B-swizzled (16-byte
+        chunk c of row j at c ^ (j % 8)), and its column scales (weight block
+        scale times the token's activation or hidden scale) into the scale
+        ring. Columns past the unit's tokens are left stale: their results are
+        computed and never stored."""
+        w = GROUP
+        hs = t.hs(gatherer)
+        ring, desc, flat, ucnt, uoff = t.ring, t.desc, t.flat, t.ucnt, t.uoff
+        chunks = w * 8 // 32
+        rows = cute.make_rmem_tensor(cute.make_layout((chunks,)), Int64)
+        for k in cutlass.range_constexpr(chunks):
+            rows[k] = Int64(-1)
+        current = Int32(-1)  # unit (FC2: + max_units) of ``rows``
+        token_scales = Int64(0)
+        count = Int32(0)
+        n = gatherer
+        word = Uint32(0)
+        while word != Uint32(END):
+            slot = n % self.stages
+            if n >= self.stages:
+                ptx.mbarrier_wait(t.empty(slot), ((n // self.stages) - 1) % 2)
+            ptx.mbarrier_wait(t.posted(n % self.posts), (n // self.posts) % 2)
+            word = Uint32(desc[n % self.posts])
+            if word != Uint32(END):
+                fc2, _, unit, _, kb, _, _ = self.unpack(word)
+                # Lane d < DEPTH: the weight block scale of K block kb + d.
+                ws = Float32(0.0)
+                if lane < DEPTH:
+                    ws = self.weight_scale(t, word, lane, w13_scale, w2_scale, s13_scale,
+                                           s2_scale)  # fmt: skip
+                key = unit
+                if fc2:
+                    key = unit + self.max_units
+                if key != current:
+                    count = ucnt[unit]
+                    first = uoff[unit]
+                    routed = unit >= self.shared_units
+                    if fc2:
+                        if lane == 0:
+                            ready = unit_ready + Int64(unit) * 4
+                            while ptx.ld_acquire_gpu_u32(ready) < Uint32(self.pairs):
+                                pass
+                        cute.arch.sync_warp()
+                        ptx.fence_acq_rel_gpu()
+                        for i in cutlass.range(lane, count * self.nk2, 32, unroll=1):
+                            hs[i] = ptx.ld_global_cg_f32(
+                                hscale + (Int64(unit) * (w * self.nk2) + i) * 4
+                            )
+                        cute.arch.sync_warp()
+                    for k in cutlass.range_constexpr(chunks):
+                        j = (lane + 32 * k) // 8
+                        rows[k] = Int64(-1)
+                        if j < count:
+                            if fc2:
+                                rows[k] = hidden + (Int64(unit) * w + j) * self.inter
+                            else:
+                                token = flat[first + j]
+                                if routed:
+                                    token = token // self.top_k
+                                rows[k] = plan_x + Int64(token) * self.hidden
+                    if lane < count:
+                        token = flat[first + lane]
+                        if routed:
+                            token = token // self.top_k
+                        token_scales = plan_s + Int64(token) * (self.nk1 * 4)
+                    current = key
+                # The tokens' activation scales (FC1), in flight with ``ws``.
+                xs = cute.make_rmem_tensor(cute.make_layout((DEPTH,)), Float32)
+                for d in cutlass.range_constexpr(DEPTH):
+                    xs[d] = Float32(0.0)
+                if not fc2:
+                    if lane < count:
+                        for d in cutlass.range_constexpr(DEPTH):
+                            xs[d] = ptx.ld_global_cg_f32(token_scales + (kb + d) * 4)
+                dst = t.tokens + slot * self.layout.b_bytes
+                for k in cutlass.range_constexpr(chunks):
+                    if rows[k] >= Int64(0):
+                        i = lane + 32 * k
+                        j = i // 8
+                        c = i % 8
+                        for d in cutlass.range_constexpr(DEPTH):
+                            ptx.cp_async_cg_16(
+                                dst + (d * w + j) * TILE + (c ^ (j % 8)) * 16,
+                                rows[k] + (kb + d) * TILE + c * 16,
+                            )
+                for d in cutlass.range_constexpr(DEPTH):
+                    w_d = cute.arch.shuffle_sync(ws, d)
+                    if lane < count:
+                        scale = xs[d]
+                        if fc2:
+                            scale = hs[lane * self.nk2 + kb + d]
+                        ring[(n % self.ring) * self.columns + d * w + lane] = w_d * scale
+            ptx.cp_async_mbarrier_arrive_noinc(t.full(slot))
+            cute.arch.sync_warp()
+            if lane == 0:
+                ptx.mbarrier_arrive(t.full(slot))
+            n = n + self.GATHERERS
+
+    def ring_scale(self, t: Tables, n, d: int, token):
+        """The column scale of K block d, token ``token`` of stage n."""
+        return t.ring[(n % self.ring) * self.columns + d * GROUP + token]
+
+    # -- the epilogue group: FC1 pair close, FC2 rows --------------------------------------
+
+    @cute.jit
+    def close_pair(self, t: Tables, frag: Fragment, up, gate, n, opened, count, unit,
+                   half, cta: Int32, e: Int32, hidden: Int64, hscale: Int64,
+                   partial: Int64, mine: Int64):  # fmt: skip
+        """End of this CTA's piece (stages ``opened``..``n``) of an FC1 pair:
+        finish the pair when the piece is all of it; else publish the partial
+        (the piece starts this CTA's range) for the pair's owner, or, as the
+        owner (the piece ends this CTA's range), add the others' partials in
+        CTA order and finish the pair. Partial layout: [values / 2 words of 4
+        floats][128 threads][4]."""
+        _, _, _, _, s = self.locate(t, n)
+        start = s - (n - opened)
+        base = s - s % self.span  # the pair's first stage in its half
+        pair = s % self.unit1 // self.span
+        unit_ready = mine + self.counters.unit_ready * 4
+        if start == base and s == base + self.span - 1:
+            self.finish(t, frag, up, gate, unit, pair, count, e, hidden, hscale, unit_ready)
+        else:
+            size = t.scal[S_S1A]
+            if half == 1:
+                size = t.scal[S_S1B]
+            first = self.owner(base, size)
+            last = self.owner(base + self.span - 1, size)
+            arrivals = mine + (self.counters.pairs + unit * self.pairs + pair) * 4
+            v = frag.values
+            if cta != first:
+                piece = partial + (Int64(half) * self.grid + cta) * (2 * v * EPILOGUE_THREADS * 4)
+                for i in cutlass.range_constexpr(2 * v // 4):
+                    src = up if i < v // 4 else gate
+                    o = (i % (v // 4)) * 4
+                    ptx.st_global_v4_u32(
+                        piece + (Int64(i) * EPILOGUE_THREADS + e) * 16,
+                        ptx.float_bits(src[o]), ptx.float_bits(src[o + 1]),
+                        ptx.float_bits(src[o + 2]), ptx.float_bits(src[o + 3]),
+                    )  # fmt: skip
+                ptx.bar_sync(BAR_EPILOGUE, EPILOGUE_THREADS)
+                if e == 0:
+                    # Cumulative: releases the stores the barrier ordered first.
+                    ptx.fence_acq_rel_gpu()
+                    ptx.red_add_release_gpu_u32(arrivals, Uint32(1))
+            else:
+                if e == 0:
+                    while ptx.ld_acquire_gpu_u32(arrivals) < Uint32(last - first):
+                        pass
+                ptx.bar_sync(BAR_EPILOGUE, EPILOGUE_THREADS)
+                ptx.fence_acq_rel_gpu()
+                for c in cutlass.range(first + 1, last + 1, unroll=1):
+                    piece = partial + (Int64(half) * self.grid + c) * (2 * v * EPILOGUE_THREADS * 4)
+                    for i in cutlass.range_constexpr(2 * v // 4):
+                        got = ptx.ld_global_cg_v4_u32(
+                            piece + (Int64(i) * EPILOGUE_THREADS + e) * 16
+                        )
+                        o = (i % (v // 4)) * 4
+                        for k in cutlass.range_constexpr(4):
+                            if cutlass.const_expr(i < v // 4):
+                                up[o + k] = up[o + k] + ptx.bits_float(got[k])
+                            else:
+                                gate[o + k] = gate[o + k] + ptx.bits_float(got[k])
+                self.finish(t, frag, up, gate, unit, pair, count, e, hidden, hscale, unit_ready)
+
+    @cute.jit
+    def finish(self, t: Tables, frag: Fragment, up, gate, unit, pair, count, e: Int32,
+               hidden: Int64, hscale: Int64, unit_ready: Int64):  # fmt: skip
+        """Clamped SwiGLU of hidden block ``pair``, FP8 per 128 per token
+        (scale amax / 448), published for FC2: codes [unit, GROUP, I], scales
+        [unit, GROUP, I/128], then one release on the unit's counter. Columns
+        past ``count`` are computed, never stored."""
+        w = GROUP
+        amax_smem = t.amax
+        for v in cutlass.range_constexpr(frag.values):
+            up[v] = mc.swiglu(gate[v], up[v], self.limit)
+        for s in cutlass.range_constexpr(frag.slots):
+            amax = Float32(0.0)
+            for r in cutlass.range_constexpr(frag.rows):
+                amax = ptx.fmax_abs(amax, up[frag.index(s, r)])
+            for off in cutlass.range_constexpr(len(frag.shuffles)):
+                amax = cute.arch.fmax(
+                    amax, cute.arch.shuffle_sync_bfly(amax, offset=frag.shuffles[off])
+                )
+            if frag.amax_writer:
+                amax_smem[frag.warp * w + frag.token(s)] = amax
+        ptx.bar_sync(BAR_EPILOGUE, EPILOGUE_THREADS)
+        unit_rows = hidden + Int64(unit) * (w * self.inter) + pair * TILE
+        for s in cutlass.range_constexpr(frag.slots):
+            token = Int32(frag.token(s))
+            amax = cute.arch.fmax(
+                cute.arch.fmax(t.amax[token], t.amax[w + token]),
+                cute.arch.fmax(t.amax[2 * w + token], t.amax[3 * w + token]),
+            )
+            scale = mc.hidden_scale(amax)
+            if token < count:
+                row = unit_rows + Int64(token) * self.inter
+                if cutlass.const_expr(frag.paired):
+                    for r in cutlass.range_constexpr(frag.rows // 2):
+                        lo = mc.fp8_code(up[frag.index(s, 2 * r)], scale)
+                        hi = mc.fp8_code(up[frag.index(s, 2 * r + 1)], scale)
+                        ptx.st_global_u16(row + Int64(frag.row(s, 2 * r)), lo | (hi << 8))
+                else:
+                    for r in cutlass.range_constexpr(frag.rows):
+                        code = mc.fp8_code(up[frag.index(s, r)], scale)
+                        ptx.st_global_u8(row + Int64(frag.row(s, r)), code)
+                if frag.scale_writer:
+                    ptx.st_global_f32(
+                        hscale + ((Int64(unit) * w + token) * self.nk2 + pair) * 4, scale
+                    )
+        ptx.bar_sync(BAR_EPILOGUE, EPILOGUE_THREADS)
+        if e == 0:
+            ptx.fence_acq_rel_gpu()
+            ptx.red_add_release_gpu_u32(unit_ready + Int64(unit) * 4, Uint32(1))
+
+    @cute.jit
+    def store_rows(self, t: Tables, frag: Fragment, acc, unit, tile, count, out: Int64,
+                   shared_out: Int64):  # fmt: skip
+        """An FC2 job's BF16 output rows: route rows of ``out`` [M * top_k, H]
+        (finalize-ready, unweighted) or token rows of ``shared_out``."""
+        first = t.uoff[unit]
+        base = out + Int64(tile) * (TILE * 2)
+        if unit < self.shared_units:
+            base = shared_out + Int64(tile) * (TILE * 2)
+        for s in cutlass.range_constexpr(frag.slots):
+            token = Int32(frag.token(s))
+            if token < count:
+                row = base + Int64(t.flat[first + token]) * (self.hidden * 2)
+                if cutlass.const_expr(frag.paired):
+                    for r in cutlass.range_constexpr(frag.rows // 2):
+                        word = ptx.cvt_bf16x2(
+                            acc[frag.index(s, 2 * r)], acc[frag.index(s, 2 * r + 1)]
+                        )
+                        ptx.st_global_u32(row + Int64(frag.row(s, 2 * r)) * 2, word)
+                else:
+                    for r in cutlass.range_constexpr(frag.rows):
+                        ptx.st_global_u16(
+                            row + Int64(frag.row(s, r)) * 2, ptx.cvt_bf16(acc[frag.index(s, r)])
+                        )
+
+    # -- the call's end -------------------------------------------------------------------
+
+    @cute.jit
+    def end_call(self, counters: Int64, mine: Int64, out: Int64, shared_out: Int64,
+                 final: Int64, weights: Int64, cta: Int32, tid: Int32):  # fmt: skip
+        """Every thread of the CTA: the finalize (once every CTA is through
+        FC2), then this CTA's count on the call counter."""
+        if cutlass.const_expr(self.finalize):
+            finished = mine + self.counters.finished * 4
+            if tid == 0:
+                ptx.fence_acq_rel_gpu()
+                ptx.red_add_release_gpu_u32(finished, Uint32(1))
+                while ptx.ld_acquire_gpu_u32(finished) < Uint32(self.grid):
+                    pass
+            cute.arch.sync_threads()
+            ptx.fence_acq_rel_gpu()
+            self.finish_tokens(out, shared_out, final, weights, cta, tid)
+        if tid == 0:
+            ptx.atom_inc_relaxed_gpu_u32(
+                counters + self.counters.calls * 4, Uint32(2 * self.grid - 1)
+            )
+
+    @cute.jit
+    def finish_tokens(self, out: Int64, shared_out: Int64, final: Int64, weights: Int64,
+                      cta: Int32, tid: Int32):  # fmt: skip
+        """``final`` = the routes' rows weighted by their routing weights (FP32,
+        top-k order) plus the shared expert's row, eight columns a thread."""
+        per_token = self.hidden // 8
+        for v in cutlass.range(cta * THREADS + tid, self.tokens * per_token, self.grid * THREADS,
+                               unroll=1):  # fmt: skip
+            token = v // per_token
+            column = Int64((v % per_token) * 8)
+            total = cute.make_rmem_tensor(cute.make_layout((8,)), Float32)
+            for c in cutlass.range_constexpr(8):
+                total[c] = Float32(0.0)
+            for k in cutlass.range_constexpr(self.top_k):
+                route = Int64(token * self.top_k + k)
+                got = ptx.ld_global_cg_v4_u32(out + (route * self.hidden + column) * 2)
+                wk = ptx.ld_global_cg_f32(weights + route * 4)
+                for c in cutlass.range_constexpr(4):
+                    total[2 * c] = total[2 * c] + wk * ptx.bf16_low(got[c])
+                    total[2 * c + 1] = total[2 * c + 1] + wk * ptx.bf16_high(got[c])
+            row = (Int64(token) * self.hidden + column) * 2
+            shared = ptx.ld_global_cg_v4_u32(shared_out + row)
+            words = [
+                ptx.cvt_bf16x2(
+                    total[2 * c] + ptx.bf16_low(shared[c]),
+                    total[2 * c + 1] + ptx.bf16_high(shared[c]),
+                )
+                for c in range(4)
+            ]
+            ptx.st_global_v4_u32(final + row, *words)

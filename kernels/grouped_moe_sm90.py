@@ -1,0 +1,372 @@
+"""Grouped MoE kernel for Hopper (sm_90a): routed experts plus the shared
+expert of 8-64 decode tokens in one persistent kernel, one CTA per SM.
+
+The seed's plan, unchanged (``grouped_plan``, ``grouped_common``): CTA t
+routes and quantizes token t into a global plan; every CTA numbers the units
+(up to 16 tokens of one expert, the shared expert's first) and splits the FC1
+weight stages (two 128 x 128 K blocks of one row tile) evenly over the CTAs,
+pairs cut between CTAs finished by their owner from published FP32 partials;
+FC2 (unit, row tile) jobs are claimed from counters; above 40 units halves A
+and B; parity counters, so back-to-back calls and graph replays need no reset;
+optional in-kernel finalize.
+
+What is Hopper's own is the MMA: warps 4-7 form the MMA warpgroup, which is
+also the epilogue (the accumulators live in its registers). Per stage it
+issues ``wgmma.mma_async m64n16k32`` FP8 (weights = A, 128 rows as two m64
+halves; the unit's 16 tokens = B, N = 16), four k32 steps per K block, each K
+block into its own accumulator set (2 K blocks x 2 halves x 8 registers), so
+the non-power-of-two block scales (weight block scale x the token's
+activation or hidden scale, from the gatherers' scale ring) are applied once
+per K block in FP32. ``wgmma.commit_group`` + ``wait_group 0``, then one
+mbarrier arrival per warp frees the weight stage.
+
+Roles (256 threads): warp 0 lane 0 the weight producer (TMA), warps 1-3 the
+B-tile gatherers (cp.async of quantized tokens / hidden rows, column scales),
+warps 4-7 the MMA warpgroup and epilogue.
+
+Accumulator fragment (``wgmma`` ``m64nNk32``): thread e (warp w = e // 32,
+lane l) holds, per 64-row half h, physical rows 16 w + l // 4 and + 8, tokens
+2 (l % 4) + {0, 1} + {0, 8}. Under the 16-row shuffle of the weight layout
+those two physical rows are the logical neighbours 2 (l // 4) and + 1, so a
+thread stores two adjacent output elements per token (one BF16x2 word, one
+FP8 pair); the ``rows`` table is not read (the shuffle is the layout's
+contract, semantics.md).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64, Uint32
+
+from kernels import grouped_plan as gp
+from kernels import ptx
+from kernels.grouped_common import (
+    EPILOGUE_THREADS,
+    THREADS,
+    Fragment,
+    GroupedCommon,
+    Tables,
+)
+from kernels.grouped_plan import DEPTH, END, GROUP, STAGE_BYTES, TILE, GroupedPlan
+from kernels.ptx import wgmma
+from kernels.spec import PARAMETER_NAMES, CompiledKernel, KernelSpec, LaunchShape, Param
+
+ENTRY = "moe_grouped_sm90"
+ARCH = "sm_90a"
+PARAMS = (
+    "maps", "w13_scale", "w2_scale", "s13_scale", "s2_scale", "s13", "s2", "x", "logits",
+    "bias", "rows", "out", "shared_out", "final", "ids", "weights", "plan_x", "plan_s",
+    "hidden", "hscale", "partial", "counters",
+)  # fmt: skip
+TENSOR_MAPS = ("w13", "w2", "s13", "s2")
+GATHERERS = 3  # warps 1-3
+MMA_WARP = 4  # first warp of the MMA warpgroup (a multiple of 4)
+HALVES = TILE // 64  # m64 instructions per 128-row tile
+ACC = GROUP // 2  # FP32 accumulator registers of one m64n16 instruction
+K32 = TILE // 32  # k32 steps of one K block
+
+
+@dataclass(frozen=True)
+class Sm90Fragment(Fragment):
+    """The ``m64n16`` accumulator fragment over a 128-row tile: token slot s =
+    (j, c) holds token 8 j + 2 (l % 4) + c; row slot r = (h, p) holds logical
+    row 64 h + 16 w + 2 (l // 4) + p; register ``8 h + 4 j + 2 p + c``."""
+
+    e: object  # Int32: thread in the MMA warpgroup
+    slots = 4
+    rows = HALVES * 2
+    paired = True
+    shuffles = (4, 8, 16)
+
+    warp = property(lambda f: f.e // 32)
+    amax_writer = property(lambda f: f.e % 32 < 4)
+    scale_writer = property(lambda f: f.e < 4)
+
+    def index(self, s, r):
+        return (r // 2) * 8 + (s // 2) * 4 + (r % 2) * 2 + (s % 2)
+
+    def token(self, s):
+        return 8 * (s // 2) + 2 * (self.e % 4) + (s % 2)
+
+    def row(self, s, r):
+        return 64 * (r // 2) + 16 * (self.e // 32) + 2 * ((self.e % 32) // 4) + (r % 2)
+
+
+class GroupedMoeSm90(GroupedCommon):
+    GATHERERS = GATHERERS
+    EPILOGUE_WARP = MMA_WARP
+
+    def __init__(self, spec: KernelSpec):
+        plan = GroupedPlan.from_spec(spec)
+        layout = gp.fit_layout(plan, ARCH, GATHERERS, slots=0)
+        super().__init__(spec, layout)
+
+    def launch_shape(self) -> LaunchShape:
+        return LaunchShape(
+            grid=(self.grid, 1, 1), block=(THREADS, 1, 1), cluster=None,
+            smem=self.layout.total, pdl=True,
+        )  # fmt: skip
+
+    # -- host ----------------------------------------------------------------------------
+
+    @cute.jit
+    def __call__(self, maps: cute.Tensor, w13_scale: cute.Tensor, w2_scale: cute.Tensor,
+                 s13_scale: cute.Tensor, s2_scale: cute.Tensor, s13: cute.Tensor,
+                 s2: cute.Tensor, x: cute.Tensor, logits: cute.Tensor, bias: cute.Tensor,
+                 rows: cute.Tensor, out: cute.Tensor, shared_out: cute.Tensor,
+                 final: cute.Tensor, ids: cute.Tensor, weights: cute.Tensor,
+                 plan_x: cute.Tensor, plan_s: cute.Tensor, hidden: cute.Tensor,
+                 hscale: cute.Tensor, partial: cute.Tensor, counters: cute.Tensor,
+                 stream):  # fmt: skip
+        self.kernel.set_name_prefix(ENTRY, remove_cutlass_symbol=True, keep_mangled_name=False)
+        self.kernel(
+            maps, w13_scale, w2_scale, s13_scale, s2_scale, s13, s2, x, logits, bias, rows,
+            out, shared_out, final, ids, weights, plan_x, plan_s, hidden, hscale, partial,
+            counters,
+        ).launch(
+            grid=(self.grid, 1, 1),
+            block=(THREADS, 1, 1),
+            smem=self.layout.total,
+            stream=stream,
+            use_pdl=True,
+            min_blocks_per_mp=1,
+            # Only to keep the compile off the GPU (the DSL asks the device for
+            # its smem size otherwise); the runtime launches from the manifest.
+            preferred_smem_carveout=100,
+        )  # fmt: skip
+
+    # -- device --------------------------------------------------------------------------
+
+    @cute.kernel
+    def kernel(self, maps: cute.Tensor, w13_scale: cute.Tensor, w2_scale: cute.Tensor,
+               s13_scale: cute.Tensor, s2_scale: cute.Tensor, s13: cute.Tensor,
+               s2: cute.Tensor, x: cute.Tensor, logits: cute.Tensor, bias: cute.Tensor,
+               rows: cute.Tensor, out: cute.Tensor, shared_out: cute.Tensor,
+               final: cute.Tensor, ids: cute.Tensor, weights: cute.Tensor,
+               plan_x: cute.Tensor, plan_s: cute.Tensor, hidden: cute.Tensor,
+               hscale: cute.Tensor, partial: cute.Tensor, counters: cute.Tensor):  # fmt: skip
+        tid, _, _ = cute.arch.thread_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = cute.arch.lane_idx()
+        cta, _, _ = cute.arch.block_idx()
+        base = cute.arch.get_dyn_smem(cutlass.Uint8, alignment=1024).toint()
+        t = Tables(base, self.layout, self.plan)
+        a_maps = maps.iterator.toint()
+        a_counters = counters.iterator.toint()
+
+        if tid == 0:
+            # One arrival per MMA warp frees a weight stage.
+            self.init_barriers(t, EPILOGUE_THREADS // 32)
+            for m in cutlass.range_constexpr(len(TENSOR_MAPS)):
+                ptx.tensormap_fence_acquire(a_maps + 128 * m)
+                ptx.prefetch_tensormap(a_maps + 128 * m)
+        if tid == 64:
+            self.prefetch_static(
+                s13.iterator.toint(), s2.iterator.toint(), w13_scale.iterator.toint(),
+                w2_scale.iterator.toint(), cta, 0,
+            )  # fmt: skip
+        if tid == 96:
+            self.prefetch_static(
+                s13.iterator.toint(), s2.iterator.toint(), w13_scale.iterator.toint(),
+                w2_scale.iterator.toint(), cta, 1,
+            )  # fmt: skip
+        cute.arch.sync_threads()
+
+        # No early launch_dependents: the finalize reads the routing weights
+        # this kernel writes, and a dependent grid may read them.
+        ptx.griddepcontrol_wait()
+        mine = self.start_call(
+            t, a_counters, logits.iterator.toint(), bias.iterator.toint(), ids.iterator.toint(),
+            weights.iterator.toint(), x.iterator.toint(), plan_x.iterator.toint(),
+            plan_s.iterator.toint(), cta, tid, warp, lane,
+        )  # fmt: skip
+        self.number_units(t, ids.iterator.toint(), tid, warp, lane, cta)
+
+        if warp == 0:
+            if lane == 0:
+                self.produce(t, a_maps, mine + self.counters.jobs * 4)
+        elif warp < MMA_WARP:
+            self.gather(
+                t, plan_x.iterator.toint(), plan_s.iterator.toint(), hidden.iterator.toint(),
+                hscale.iterator.toint(), mine + self.counters.unit_ready * 4, lane,
+                w13_scale.iterator.toint(), w2_scale.iterator.toint(),
+                s13_scale.iterator.toint(), s2_scale.iterator.toint(), warp - 1,
+            )  # fmt: skip
+        else:
+            self.consume(
+                t, tid - MMA_WARP * 32, cta, out.iterator.toint(), shared_out.iterator.toint(),
+                hidden.iterator.toint(), hscale.iterator.toint(), partial.iterator.toint(), mine,
+            )  # fmt: skip
+        cute.arch.sync_threads()
+        self.end_call(
+            a_counters, mine, out.iterator.toint(), shared_out.iterator.toint(),
+            final.iterator.toint(), weights.iterator.toint(), cta, tid,
+        )  # fmt: skip
+
+    @cute.jit
+    def consume(self, t: Tables, e: Int32, cta: Int32, out: Int64, shared_out: Int64,
+                hidden: Int64, hscale: Int64, partial: Int64, mine: Int64):  # fmt: skip
+        """The MMA warpgroup: every stage's wgmma chain, its scaled sum into
+        the running up / gate (FC1) or output (FC2) values, and the closes."""
+        frag = Sm90Fragment(e)
+        v = frag.values
+        up = cute.make_rmem_tensor(cute.make_layout((v,)), Float32)
+        gate = cute.make_rmem_tensor(cute.make_layout((v,)), Float32)
+        # parts[d * v + i]: K block d's unscaled partial of register i.
+        parts = cute.make_rmem_tensor(cute.make_layout((DEPTH * v,)), Float32)
+        for i in cutlass.range_constexpr(v):
+            up[i] = Float32(0.0)
+            gate[i] = Float32(0.0)
+        for i in cutlass.range_constexpr(DEPTH * v):
+            parts[i] = Float32(0.0)
+        a_desc = wgmma.smem_desc_sw128(t.weights)
+        b_desc = wgmma.smem_desc_sw128(t.tokens)
+        opened = Int32(0)
+        n = Int32(0)
+        word = Uint32(0)
+        while word != Uint32(END):
+            slot = n % self.stages
+            ptx.mbarrier_wait(t.full(slot), (n // self.stages) % 2)
+            word = Uint32(t.desc[n % self.posts])
+            if word != Uint32(END):
+                # The gathered B rows are generic-proxy (cp.async) writes.
+                ptx.fence_proxy_async_shared()
+                self.mma_stage(parts, a_desc, b_desc, slot)
+                if cute.arch.lane_idx() == 0:
+                    ptx.mbarrier_arrive(t.empty(slot))
+                fc2, half, unit, tile, kb, opens, closes = self.unpack(word)
+                if opens:
+                    opened = n
+                    for i in cutlass.range_constexpr(v):
+                        up[i] = Float32(0.0)
+                        gate[i] = Float32(0.0)
+                scales = cute.make_rmem_tensor(cute.make_layout((DEPTH * frag.slots,)), Float32)
+                for d in cutlass.range_constexpr(DEPTH):
+                    for s in cutlass.range_constexpr(frag.slots):
+                        scales[d * frag.slots + s] = self.ring_scale(t, n, d, frag.token(s))
+                into_gate = tile >= self.pairs
+                if fc2:
+                    into_gate = tile < 0
+                if into_gate:
+                    self.add_scaled(frag, gate, parts, scales)
+                else:
+                    self.add_scaled(frag, up, parts, scales)
+                if closes:
+                    count = t.ucnt[unit]
+                    if fc2:
+                        self.store_rows(t, frag, up, unit, tile, count, out, shared_out)
+                    else:
+                        self.close_pair(
+                            t, frag, up, gate, n, opened, count, unit, half, cta, e, hidden,
+                            hscale, partial, mine,
+                        )  # fmt: skip
+            n = n + 1
+
+    @cute.jit
+    def mma_stage(self, parts, a_desc: Int64, b_desc: Int64, slot: Int32):
+        """One stage's wgmma chain: K block d of the weights (A, two m64
+        halves) times the unit's B tile of K block d into accumulator set d,
+        then commit and wait (the stage's shared memory is free after it)."""
+        v = 2 * ACC
+        a_stage = a_desc + Int64((slot * self.layout.a_bytes) >> 4)
+        b_stage = b_desc + Int64((slot * self.layout.b_bytes) >> 4)
+        wgmma.wgmma_fence()
+        for d in cutlass.range_constexpr(DEPTH):
+            for h in cutlass.range_constexpr(HALVES):
+                acc = [parts[d * v + h * ACC + i] for i in range(ACC)]
+                a = a_stage + (d * STAGE_BYTES + h * 64 * TILE) // 16
+                b = b_stage + (d * GROUP * TILE) // 16
+                for k in cutlass.range_constexpr(K32):
+                    acc = wgmma.wgmma_e4m3(
+                        acc, a + k * wgmma.DESC_K32, b + k * wgmma.DESC_K32, k > 0
+                    )
+                for i in cutlass.range_constexpr(ACC):
+                    parts[d * v + h * ACC + i] = acc[i]
+        wgmma.wgmma_commit()
+        wgmma.wgmma_wait(0)
+        done = wgmma.fence_operands([parts[i] for i in range(DEPTH * v)])
+        for i in cutlass.range_constexpr(DEPTH * v):
+            parts[i] = done[i]
+
+    def add_scaled(self, frag: Fragment, into, parts, scales):
+        """into[i] += sum_d parts[d][i] * scale(d, token of i)."""
+        v = frag.values
+        for s in range(frag.slots):
+            for r in range(frag.rows):
+                i = frag.index(s, r)
+                total = into[i]
+                for d in range(DEPTH):
+                    total = total + parts[d * v + i] * scales[d * frag.slots + s]
+                into[i] = total
+
+
+def compile_kernel(spec: KernelSpec) -> CompiledKernel:
+    """Compiles one grouped variant for sm_90a (no GPU needed); ``CUTE_DSL_ARCH``
+    must have been sm_90a when cutlass was first imported."""
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+
+    assert spec.kernel == "grouped" and spec.arch == ARCH, spec
+    assert os.environ.get("CUTE_DSL_ARCH") == ARCH, "compile in an sm_90a process"
+    assert all(p in PARAMETER_NAMES for p in PARAMS)
+    kernel = GroupedMoeSm90(spec)
+    plan = kernel.plan
+    e, h, i, m, k = spec.experts, spec.hidden, spec.inter, spec.tokens, spec.top_k
+    logits_dtype = cutlass.BFloat16 if spec.logits_dtype == "bfloat16" else Float32
+    sizes = {w.name: w.bytes for w in kernel_workspaces(spec)}
+
+    def fake(dtype, *shape, align=16):
+        return make_fake_compact_tensor(dtype, shape, assumed_align=align)
+
+    args = (
+        fake(cutlass.Uint8, len(TENSOR_MAPS) * 128, align=64),  # maps
+        fake(Float32, e, 2 * i // TILE, h // TILE),  # w13_scale
+        fake(Float32, e, h // TILE, i // TILE),  # w2_scale
+        fake(Float32, 1, 2 * i // TILE, h // TILE),  # s13_scale
+        fake(Float32, 1, h // TILE, i // TILE),  # s2_scale
+        fake(cutlass.Uint8, h * 2 * i),  # s13
+        fake(cutlass.Uint8, i * h),  # s2
+        fake(cutlass.BFloat16, m, h),  # x
+        fake(logits_dtype, m, e),  # logits
+        fake(Float32, e),  # bias
+        fake(Int32, TILE),  # rows
+        fake(cutlass.BFloat16, m * k, h),  # out
+        fake(cutlass.BFloat16, m, h),  # shared_out
+        fake(cutlass.BFloat16, m, h),  # final
+        fake(Int32, m * k),  # ids
+        fake(Float32, m * k),  # weights
+        *(fake(cutlass.Uint8, sizes[n]) for n in ("plan_x", "plan_s", "hidden", "hscale")),
+        fake(cutlass.Uint8, sizes["partial"]),
+        fake(Int32, sizes["counters"] // 4),
+    )
+    compiled = cute.compile(kernel, *args, make_fake_stream())
+    cubin = compiled.artifacts.CUBIN
+    if cubin is None:
+        raise RuntimeError("no cubin: set CUTE_DSL_KEEP=ptx,cubin before importing cutlass")
+    layout = kernel.layout
+    return CompiledKernel(
+        cubin=bytes(cubin),
+        entry=f"{ENTRY}_0",
+        params=tuple(Param(name, "pointer") for name in PARAMS),
+        launch=kernel.launch_shape(),
+        tensor_maps=TENSOR_MAPS,
+        workspace=kernel_workspaces(spec),
+        ptx=compiled.artifacts.PTX,
+        notes={
+            "stages": layout.stages,
+            "stage_bytes": layout.a_bytes + layout.b_bytes,
+            "smem_limit": gp.SMEM_LIMIT[ARCH],
+            "threads": THREADS,
+            "gatherers": GATHERERS,
+            "max_units": plan.max_units,
+            "fc2_chunk": plan.chunk,
+            "smem_layout": {name: offset for name, offset, _ in layout.regions()},
+        },
+    )
+
+
+def kernel_workspaces(spec: KernelSpec):
+    return gp.workspaces(spec.hidden, spec.inter, spec.experts, spec.top_k, spec.sms)
