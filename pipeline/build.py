@@ -9,6 +9,10 @@ directory, manifest last, atomic rename). Any failed variant fails the
 build: every failure is reported with the variant's name and the compiler's
 message, and nothing is written.
 
+Selection: ``--arch``, ``--kernel`` and ``--variant`` (name patterns) narrow
+the config's variants; the manifest records the whole resolved config and
+the variants built.
+
 Sharding: the selected variants, sorted by name, are dealt round-robin, so
 shard ``i/n`` (1-based) builds names ``i-1, i-1+n, ...``. A shard's manifest
 carries a ``shard`` record (index, count, the names of the whole selection)
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import datetime
+import fnmatch
 import multiprocessing
 import os
 import platform
@@ -102,14 +107,16 @@ class BuildRequest:
     out: Path
     archs: tuple[str, ...] = ()
     kernels: tuple[str, ...] = ()
+    patterns: tuple[str, ...] = ()
     jobs: int = 1
     shard: Shard | None = None
     cache: BuildCache = field(default_factory=lambda: BuildCache(None))
 
 
-def select(config: BuildConfig, archs=(), kernels=(), shard: Shard | None = None):
+def select(config: BuildConfig, archs=(), kernels=(), shard: Shard | None = None, patterns=()):
     """(variants to build, names of the whole selection before sharding);
-    raises BuildError for an arch or kernel the config does not build."""
+    raises SelectionError for an arch or kernel the config does not build or
+    a name pattern (fnmatch, e.g. ``'*-m1-float32'``) that matches nothing."""
     problems = []
     targets = [t.arch for t in config.targets]
     for arch in archs:
@@ -127,6 +134,11 @@ def select(config: BuildConfig, archs=(), kernels=(), shard: Shard | None = None
     if problems:
         raise SelectionError(problems)
     chosen = expand(config, archs=set(archs) or None, kernels=set(kernels) or None)
+    if patterns:
+        unmatched = [p for p in patterns if not any(fnmatch.fnmatchcase(v.name, p) for v in chosen)]
+        if unmatched:
+            raise SelectionError([f"--variant {p}: matches no variant" for p in unmatched])
+        chosen = [v for v in chosen if any(fnmatch.fnmatchcase(v.name, p) for p in patterns)]
     names = sorted(v.name for v in chosen)
     if shard is not None:
         chosen = shard.take(chosen)
@@ -140,7 +152,7 @@ def build(req: BuildRequest, progress: Progress) -> Path:
     """Builds the artifact at ``req.out``; returns its path or raises
     BuildError (nothing written) or OutputError."""
     started = time.time()
-    variants, selection = select(req.config, req.archs, req.kernels, req.shard)
+    variants, selection = select(req.config, req.archs, req.kernels, req.shard, req.patterns)
     tools = mf.local_toolchain()  # fails early when the DSL is missing
     identity = toolchain.identity()
     sources = {}

@@ -76,6 +76,12 @@ def validate(config: str, as_json: bool) -> None:
 @click.option("--arch", "archs", multiple=True, help="Only this arch (repeatable).")
 @click.option("--kernel", "kernels", multiple=True, help="Only this kernel (repeatable).")
 @click.option(
+    "--variant",
+    "patterns",
+    multiple=True,
+    help="Only variants whose name matches this pattern, e.g. '*-m1-float32' (repeatable).",
+)
+@click.option(
     "-j",
     "--jobs",
     type=click.IntRange(min=1),
@@ -91,7 +97,7 @@ def validate(config: str, as_json: bool) -> None:
 )
 @click.option("--no-cache", is_flag=True, help="Compile everything; read and write no cache.")
 @click.option("--json", "as_json", is_flag=True, help="Progress as JSON lines on stdout.")
-def compile_cmd(config, out, archs, kernels, jobs, shard, cache_dir, no_cache, as_json):
+def compile_cmd(config, out, archs, kernels, patterns, jobs, shard, cache_dir, no_cache, as_json):
     """Compile CONFIG's variants into an artifact directory.
 
     Writes OUT/manifest.json and one zstandard cubin per variant, atomically:
@@ -102,7 +108,9 @@ def compile_cmd(config, out, archs, kernels, jobs, shard, cache_dir, no_cache, a
     """
     cfg = load_or_exit(config)
     sys.exit(
-        commands.compile_config(cfg, out, archs, kernels, jobs, shard, cache_dir, no_cache, as_json)
+        commands.compile_config(
+            cfg, out, archs, kernels, patterns, jobs, shard, cache_dir, no_cache, as_json
+        )
     )
 
 

@@ -33,7 +33,8 @@ def default_jobs() -> int:
         return os.cpu_count() or 1
 
 
-def compile_config(cfg, out, archs, kernels, jobs, shard, cache_dir, no_cache, as_json) -> int:
+def compile_config(cfg, out, archs, kernels, patterns, jobs, shard, cache_dir, no_cache,
+                   as_json) -> int:  # fmt: skip
     try:
         shard = Shard.parse(shard) if shard else None
     except ValueError as exc:
@@ -45,6 +46,7 @@ def compile_config(cfg, out, archs, kernels, jobs, shard, cache_dir, no_cache, a
         out=Path(out) if out else Path("artifacts") / cfg.name,
         archs=tuple(archs),
         kernels=tuple(kernels),
+        patterns=tuple(patterns),
         jobs=jobs or default_jobs(),
         shard=shard,
         cache=cache,
