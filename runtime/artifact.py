@@ -26,6 +26,9 @@ KERNELS = ("mega", "grouped")
 ARCHS = ("sm_90a", "sm_100a")
 LOGITS_DTYPES = ("float32", "bfloat16")
 PARAM_KINDS = ("pointer", "i32")
+#: What the driver copies per parameter kind (pipeline records read the size
+#: from the cubin; the launcher relies on it).
+PARAM_BYTES = {"pointer": 8, "i32": 4}
 TENSOR_MAPS = ("w13", "w2", "s13", "s2")
 #: An unpacked package may not grow past this (a zstandard bomb guard); a
 #: full two-arch build is a few tens of MB.
@@ -262,6 +265,12 @@ def check_variant_record(record, source: str = "artifact") -> None:
                 and param.get("kind") in PARAM_KINDS):  # fmt: skip
             raise ArtifactError(
                 f"{label}: params: expected {{'name': str, 'kind': 'pointer'|'i32'}}, found {param!r}"
+            )
+        size = param.get("size")
+        if size is not None and size != PARAM_BYTES[param["kind"]]:
+            raise ArtifactError(
+                f"{label}: param {param['name']!r} ({param['kind']}): expected "
+                f"{PARAM_BYTES[param['kind']]} bytes, the cubin records {size!r}"
             )
     params = [p["name"] for p in record["params"]]
     if len(set(params)) != len(params):

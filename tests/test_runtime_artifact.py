@@ -109,6 +109,7 @@ def test_refuses_missing_manifest(tmp_path):
         (lambda r: r["params"].append({"name": "x", "kind": "pointer"}), r"a name repeats"),
         (lambda r: r["params"].append({"name": "n", "kind": "f32"}), r"params: expected"),
         (lambda r: r.update(tensor_maps=["w3"]), r"tensor_maps entry"),
+        (lambda r: r["params"][0].update(size=16), r"param 'maps' \(pointer\): expected 8 bytes"),
         (lambda r: r.update(tokens=True), r"key 'tokens': expected int"),
         (lambda r: r.pop("entry"), r"key 'entry'"),
     ],
