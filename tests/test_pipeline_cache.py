@@ -1,0 +1,148 @@
+"""The build-cache key changes with every input that changes generated code,
+and with nothing else."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+
+import pytest
+from pipeline_support import GLM5, build, compiled, manifest, use_stub
+
+from kernels import registry
+from kernels.spec import KernelSpec
+from pipeline import toolchain
+from pipeline.cache import BuildCache, cache_key, source_hashes
+
+SPEC = KernelSpec(kernel="mega", arch="sm_90a", hidden=4096, inter=512, experts=288, top_k=8,
+                  scale=2.5, limit=10.0, ue8m0=False, tokens=1, logits_dtype="float32",
+                  finalize=False, sms=132)  # fmt: skip
+#: One changed value per KernelSpec field.
+CHANGED = {
+    "kernel": "grouped",
+    "arch": "sm_100a",
+    "hidden": 8192,
+    "inter": 256,
+    "experts": 256,
+    "top_k": 6,
+    "scale": 2.0,
+    "limit": 7.0,
+    "ue8m0": True,
+    "tokens": 2,
+    "logits_dtype": "bfloat16",
+    "finalize": True,
+    "sms": 148,
+}
+SOURCES = {"kernels/mega_moe_sm90.py": "0" * 64, "kernels/spec.py": "1" * 64}
+TOOLS = {"dsl": {"nvidia-cutlass-dsl": "4.8.1"}, "compiler": {}, "python": "3.11", "env": {}}
+
+
+@pytest.fixture
+def stub_env(tmp_path, monkeypatch):
+    return use_stub(tmp_path, monkeypatch)
+
+
+def test_every_spec_field_changes_the_key():
+    assert set(CHANGED) == {f.name for f in dataclasses.fields(KernelSpec)}
+    base = cache_key(SPEC, SOURCES, TOOLS)
+    keys = {base}
+    for name, value in CHANGED.items():
+        key = cache_key(dataclasses.replace(SPEC, **{name: value}), SOURCES, TOOLS)
+        assert key != base, name
+        keys.add(key)
+    assert len(keys) == len(CHANGED) + 1
+
+
+def test_sources_and_toolchain_change_the_key():
+    base = cache_key(SPEC, SOURCES, TOOLS)
+    assert cache_key(SPEC, {**SOURCES, "kernels/spec.py": "2" * 64}, TOOLS) != base
+    assert cache_key(SPEC, {**SOURCES, "kernels/ptx/new.py": "3" * 64}, TOOLS) != base
+    for key, value in [
+        ("dsl", {"nvidia-cutlass-dsl": "4.9.0"}),
+        ("compiler", {"_cutlass_ir.so": "4" * 64}),
+        ("python", "3.12"),
+        ("env", {"CUTE_DSL_LINEINFO": "1"}),
+    ]:
+        assert cache_key(SPEC, SOURCES, {**TOOLS, key: value}) != base, key
+    # The same content in another order is the same key.
+    assert cache_key(SPEC, dict(reversed(list(SOURCES.items()))), TOOLS) == base
+
+
+def test_dsl_environment_keeps_only_what_can_change_code():
+    env = {
+        "CUTE_DSL_LINEINFO": "1",
+        "CUTE_DSL_COMPILER_OPT": "x",
+        "CUTE_DSL_KEEP": "ptx,cubin",
+        "CUTE_DSL_DUMP_DIR": "/tmp/a",
+        "CUTE_DSL_ARCH": "sm_90a",
+        "CUTE_DSL_LOG_LEVEL": "10",
+        "HOME": "/root",
+    }
+    assert toolchain.dsl_environment(env) == {
+        "CUTE_DSL_COMPILER_OPT": "x",
+        "CUTE_DSL_LINEINFO": "1",
+    }
+
+
+def test_source_hashes_follow_imports_and_name_files_relative(tmp_path, monkeypatch):
+    module = tmp_path / "cache_probe_kernel.py"
+    module.write_text("from kernels.spec import KernelSpec\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv(registry.MODULES_ENV, "mega/sm_90a=cache_probe_kernel")
+    first = source_hashes("mega", "sm_90a")
+    assert set(first) == {"cache_probe_kernel.py", "kernels/spec.py"}
+    spec_bytes = (registry.KERNELS_DIR / "spec.py").read_bytes()
+    assert first["kernels/spec.py"] == hashlib.sha256(spec_bytes).hexdigest()
+    module.write_text("from kernels.spec import KernelSpec\n# edited\n")
+    assert (
+        source_hashes("mega", "sm_90a")["cache_probe_kernel.py"] != first["cache_probe_kernel.py"]
+    )
+
+
+def test_keys_ignore_output_jobs_shard_and_order(tmp_path, stub_env):
+    """The same variant gets the same key from builds that differ only in
+    things that cannot change its code."""
+    build(tmp_path / "full", "--kernel", "mega", "--jobs", "1")
+    build(tmp_path / "x" / "shard", "--kernel", "mega", "--shard", "2/3", "--jobs", "2")
+    build(tmp_path / "one", "--variant", "mega-sm_90a-m3-*", "--no-cache")
+    full = {r["name"]: r["cache_key"] for r in manifest(tmp_path / "full")["variants"]}
+    for other in ("x/shard", "one"):
+        for r in manifest(tmp_path / other)["variants"]:
+            assert r["cache_key"] == full[r["name"]]
+    # The shard and the filtered build were served from the cache (only the
+    # --no-cache build compiled again).
+    assert len(compiled(stub_env)) == 16 + 2
+
+
+def test_changed_config_recompiles_only_what_changed(tmp_path, stub_env):
+    build(tmp_path / "a", "--kernel", "mega", "--arch", "sm_90a")
+    config = tmp_path / "c.yaml"
+    config.write_text(GLM5.read_text().replace("sms: 148", "sms: 140"))
+    build(tmp_path / "b", "--kernel", "mega", "--arch", "sm_90a", config=config)
+    assert len(compiled(stub_env)) == 8  # sm_100a's SM count does not touch sm_90a variants
+    config.write_text(GLM5.read_text().replace("top_k: 8", "top_k: 6"))
+    build(tmp_path / "c", "--kernel", "mega", "--arch", "sm_90a", config=config)
+    assert len(compiled(stub_env)) == 16
+
+
+def test_cache_entries_are_checked_and_rewritten(tmp_path):
+    cache = BuildCache(tmp_path / "cache")
+    result = {"cubin": b"\x7fELF" + bytes(60), "entry": "k", "seconds": 1.0}
+    cache.put("ab" * 32, result)
+    got = cache.get("ab" * 32)
+    assert got == {"cubin": result["cubin"], "entry": "k"}
+    entry = tmp_path / "cache" / "v1" / "ab" / ("ab" * 32)
+    (entry / "cubin").write_bytes(b"corrupted")
+    assert cache.get("ab" * 32) is None
+    cache.put("ab" * 32, result)
+    assert cache.get("ab" * 32)["cubin"] == result["cubin"]
+    assert BuildCache(None).get("ab" * 32) is None
+
+
+def test_unwritable_cache_does_not_fail_the_build(tmp_path, stub_env, monkeypatch):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    monkeypatch.setenv("MOE_BUILD_CACHE", str(blocker / "cache"))
+    build(tmp_path / "a", "--variant", "mega-sm_90a-m1-*")
+    build(tmp_path / "b", "--variant", "mega-sm_90a-m1-*")
+    assert len(compiled(stub_env)) == 4
