@@ -136,6 +136,14 @@ class MegaLayout:
     off_tmem = property(lambda self: self.off_bar + self.bars * 8)  # TMEM address
     smem = property(lambda self: self.off_tmem + 16)
 
+    def stage_box(self, rank: int, n: int, expert: int) -> tuple[int, int, int]:
+        """(tensor map index, first row, K block) of CTA ``rank``'s n-th weight
+        stage for ``expert``: the plain-Python statement of ``produce``."""
+        if n < self.blocks1:
+            return 0, rank // 2 * TILE, expert * self.nk1 + rank % 2 * self.blocks1 + n
+        m = n - self.blocks1
+        return 1, rank * self.rows2 + m // self.nk2 * TILE, expert * self.nk2 + m % self.nk2
+
     def problems(self) -> list[str]:
         """Why the seed's cluster split cannot serve this shape (empty: it can)."""
         reasons = []
@@ -568,6 +576,7 @@ def compile_kernel(spec: KernelSpec) -> CompiledKernel:
         "stage_bytes": STAGE_BYTES,
         "threads": THREADS,
         "cluster_ctas": CLUSTER,
+        "non_portable_cluster": CLUSTER > 8,  # needs NON_PORTABLE_CLUSTER_SIZE_ALLOWED
         "min_blocks_per_sm": MIN_BLOCKS,
         "preferred_smem_carveout": SMEM_CARVEOUT,
         "tmem_columns": TMEM_COLUMNS,

@@ -55,6 +55,47 @@ def test_layout_closed_forms():
     assert lay.routes == 8 and layout(tokens=4).routes == 32
 
 
+def test_cluster_streams_each_weight_box_of_the_expert_once():
+    lay, expert = layout(), 5
+    boxes = [lay.stage_box(rank, n, expert) for rank in range(mega.CLUSTER)
+             for n in range(lay.loads)]  # fmt: skip
+    assert len(boxes) == len(set(boxes))
+    w13 = {(row, block) for m, row, block in boxes if m == 0}
+    w2 = {(row, block) for m, row, block in boxes if m == 1}
+    # w13 [E, H/128, 2I, 128]: every row tile of every K block of the expert.
+    assert w13 == {(t * 128, expert * lay.nk1 + kb) for t in range(lay.tiles1)
+                   for kb in range(lay.nk1)}  # fmt: skip
+    # w2 [E, I/128, H, 128]: every 128-row tile of H of every hidden block.
+    assert w2 == {(t * 128, expert * lay.nk2 + kb) for t in range(4096 // 128)
+                  for kb in range(lay.nk2)}  # fmt: skip
+    # A CTA's GEMM1 stages are its row tile's K half, in K order (stage n is
+    # B tile n, accumulator column n).
+    for rank in range(mega.CLUSTER):
+        first = [lay.stage_box(rank, n, expert) for n in range(lay.blocks1)]
+        assert first == [(0, rank // 2 * 128, expert * 32 + rank % 2 * 16 + n)
+                         for n in range(16)]  # fmt: skip
+
+
+def test_dsmem_bytes_match_the_expected_transactions():
+    lay = layout()
+    epilogue_threads = mega.THREADS - 32 * mega.EPILOGUE
+    # One epilogue thread per TMEM lane (weight row): K half 1 sends its 128
+    # row sums to half 0 (``pair``, TILE * 4 bytes); each gate tile its 128
+    # gate values to its up tile (``gate_recv``, TILE * 4 bytes).
+    assert epilogue_threads == 128
+    # Every up tile sends each CTA its FP8 hidden block (one 16-byte chunk per
+    # thread: 128 threads = 16 CTAs x 8 chunks) and one scale: ``hrecv``
+    # expects nk2 * (TILE + 4) bytes.
+    assert epilogue_threads == mega.CLUSTER * 8
+    assert lay.nk2 * (epilogue_threads // mega.CLUSTER * 16 + 4) == lay.nk2 * (128 + 4)
+    # The hidden blocks fill row kb of GEMM2 B tile kb: tiles of up CTAs
+    # 0, 2, 4, 6 (tile = rank // 2 < nk2, half 0).
+    ups = [rank // 2 for rank in range(mega.CLUSTER) if rank % 2 == 0 and rank // 2 < lay.nk2]
+    assert ups == list(range(lay.nk2))
+    gates = [rank // 2 for rank in range(mega.CLUSTER) if rank % 2 == 0 and rank // 2 >= lay.nk2]
+    assert [2 * (t - lay.nk2) for t in gates] == [2 * u for u in ups]
+
+
 def test_layout_alignment_and_disjoint_regions():
     lay = layout()
     regions = lay.regions()
