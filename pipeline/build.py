@@ -27,8 +27,10 @@ import fnmatch
 import multiprocessing
 import os
 import platform
+import shutil
 import socket
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -235,10 +237,12 @@ def _compile(plan, config: BuildConfig):
     ctx = multiprocessing.get_context("spawn")
     pools = []
     futures = {}
+    scratch = tempfile.mkdtemp(prefix="moe-build-")
+    finished = False
     try:
         for arch, processes, todo in plan:
             pool = cf.ProcessPoolExecutor(processes, mp_context=ctx, initializer=worker.init,
-                                          initargs=(arch,))  # fmt: skip
+                                          initargs=(arch, scratch))  # fmt: skip
             pools.append(pool)
             for v in todo:
                 futures[pool.submit(worker.compile_one, asdict(v.spec(config)))] = v
@@ -252,9 +256,23 @@ def _compile(plan, config: BuildConfig):
             except Exception as exc:  # noqa: BLE001 - e.g. a result that cannot be pickled
                 result = {"error": f"{type(exc).__name__}: {exc}"}
             yield v, result
+        finished = True
     finally:
         for pool in pools:
+            if not finished:
+                _kill_workers(pool)
             pool.shutdown(wait=True, cancel_futures=True)
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _kill_workers(pool: cf.ProcessPoolExecutor) -> None:
+    """Ends a pool's worker processes now: on an interrupt or error there is
+    no point waiting for compiles whose results will be dropped (a real
+    kernel takes seconds to minutes). The executor has no public way to do
+    this; ``_processes`` has been its pid -> Process map since Python 3.2."""
+    for process in list(getattr(pool, "_processes", {}).values()):
+        if process.is_alive():
+            process.terminate()
 
 
 def _record(req: BuildRequest, started: float, timings: dict) -> dict:

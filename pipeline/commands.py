@@ -8,6 +8,8 @@ not compile, an artifact did not verify, a diff found ABI or launch changes),
 from __future__ import annotations
 
 import os
+import signal
+import threading
 from pathlib import Path
 
 import click
@@ -52,6 +54,10 @@ def compile_config(cfg, out, archs, kernels, patterns, jobs, shard, cache_dir, n
         cache=cache,
     )
     progress = Progress.auto(as_json)
+    # A CI job cancelled with SIGTERM unwinds like Ctrl-C: the temporary
+    # build directory is removed and the workers are stopped.
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminated) if main_thread else None
     try:
         path = build(req, progress)
     except SelectionError as exc:
@@ -71,8 +77,19 @@ def compile_config(cfg, out, archs, kernels, patterns, jobs, shard, cache_dir, n
         progress.finish(False, None)
         _error(str(exc))
         return FAILED
+    except KeyboardInterrupt:
+        progress.finish(False, None)
+        _error("interrupted; nothing was written")
+        return 130
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
     progress.finish(True, str(path))
     return OK
+
+
+def _terminated(signum, frame):
+    raise KeyboardInterrupt
 
 
 def merge(inputs, out) -> int:

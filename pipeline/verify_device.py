@@ -56,9 +56,10 @@ def _rel_err(got, ref) -> float:
     return (got.double() - ref).abs().max().item() / scale
 
 
-def _run_variant(layer, variant, shape, routed, shared, generator):
-    """One launch of ``variant`` with fresh random inputs; returns the
-    result dict (``ok`` and measures)."""
+def run_variant(layer, variant, shape, routed, shared, generator) -> dict:
+    """One call of ``variant`` (through the bound ``layer``) with fresh random
+    inputs on ``layer.device``, compared with the reference (module
+    docstring); returns ``{"ok": bool, "<output>_rel_err": x, ...}``."""
     import torch
 
     from runtime.reference import moe_reference
@@ -79,7 +80,8 @@ def _run_variant(layer, variant, shape, routed, shared, generator):
     else:
         out, ids, weights, shared_out = layer.grouped(x, logits, bias)
         got = {"out": out, "shared": shared_out}
-    torch.cuda.synchronize(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     ref = moe_reference(x, logits, bias, routed, shared, shape, dtype=torch.float64, ids=ids)
     result = {}
     if ids is not None:
@@ -147,7 +149,7 @@ def verify_device(path: str | Path, ordinal: int = 0):
                 problems.append(f"variant {v.name}: the driver reports "
                                 f"{entry['attributes']['registers']} registers, the manifest "
                                 f"{want}")  # fmt: skip
-            entry["result"] = _run_variant(layer, v, art.shape, routed, shared, generator)
+            entry["result"] = run_variant(layer, v, art.shape, routed, shared, generator)
         except Exception as exc:  # noqa: BLE001 - recorded per variant
             entry["result"] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
         if not entry["result"]["ok"]:

@@ -23,21 +23,17 @@ import traceback
 from kernels import registry
 from kernels.spec import CompiledKernel, KernelSpec
 
-_dump_dir: str | None = None
 
-
-def init(arch: str) -> None:
+def init(arch: str, scratch: str) -> None:
     """Pool initializer: prepares this process to compile for ``arch``.
 
     The DSL writes the PTX/cubin it is asked to keep into ``CUTE_DSL_DUMP_DIR``
-    (default: the working directory); a private temporary directory keeps
-    those files out of the user's tree. The directory never reaches the
-    cubins (checked: builds from different dump directories are
-    byte-identical, tests/test_pipeline_determinism.py)."""
-    global _dump_dir
+    (default: the working directory); a private directory under ``scratch``
+    (which the parent removes after the build) keeps those files out of the
+    user's tree. Its path never reaches the cubins (clean builds from other
+    scratch directories are byte-identical: tests/test_pipeline_dsl.py)."""
     registry.prepare_process(arch)
-    _dump_dir = tempfile.mkdtemp(prefix="moe-build-dsl-")
-    os.environ["CUTE_DSL_DUMP_DIR"] = _dump_dir
+    os.environ["CUTE_DSL_DUMP_DIR"] = tempfile.mkdtemp(prefix=f"{arch}-", dir=scratch)
 
 
 def compile_one(spec_fields: dict) -> dict:

@@ -13,7 +13,8 @@ Switches (environment, inherited by worker processes):
   variants;
 - ``MOE_BUILD_STUB_BAD_ABI=name[,name]``: declare one parameter more than the
   cubin has;
-- ``MOE_BUILD_STUB_CRASH=name``: kill the worker process (a compiler crash).
+- ``MOE_BUILD_STUB_CRASH=name``: kill the worker process (a compiler crash);
+- ``MOE_BUILD_STUB_SLEEP=seconds``: take that long per compile.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
+import time
 from dataclasses import astuple
 
 from kernels.spec import CompiledKernel, KernelSpec, LaunchShape, Param, Workspace
@@ -39,6 +41,7 @@ def compile_kernel(spec: KernelSpec) -> CompiledKernel:
     if log:
         with open(log, "a") as f:
             f.write(name + "\n")
+    time.sleep(float(os.environ.get("MOE_BUILD_STUB_SLEEP", "0")))
     if name in os.environ.get("MOE_BUILD_STUB_CRASH", "").split(","):
         os._exit(139)
     if name in os.environ.get("MOE_BUILD_STUB_FAIL", "").split(","):

@@ -163,3 +163,31 @@ def test_variant_filter(tmp_path, stub_env):
     ]
     code, _, stderr = run("compile", GLM5, "-o", tmp_path / "b", "--variant", "nothing*")
     assert code == 2 and "--variant nothing*: matches no variant" in stderr
+
+
+def test_terminated_build_leaves_nothing(tmp_path, stub_env):
+    """SIGTERM (a cancelled CI job) mid-build: no artifact, no temporary
+    directory, workers gone."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    env = dict(os.environ, MOE_BUILD_STUB_SLEEP="30", PYTHONPATH=str(GLM5.parent.parent / "tests"))
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipeline.cli", "compile", str(GLM5), "-o", str(out), "-j", "2"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while not leftovers(tmp_path) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert leftovers(tmp_path), "the build never started"
+    while not compiled(stub_env) and time.monotonic() < deadline:
+        time.sleep(0.1)  # a compile is running
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    assert "interrupted; nothing was written" in stderr
+    assert not out.exists() and leftovers(tmp_path) == []

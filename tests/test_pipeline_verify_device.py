@@ -1,0 +1,96 @@
+"""The comparison ``verify --device`` makes, run on the CPU with a stand-in
+layer (the GPU path itself runs on the H200: tests/gpu)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from pipeline_support import build, run, use_stub
+
+from pipeline.verify_device import device_file_name, run_variant
+from runtime.layout import random_moe_weights
+from runtime.model import MoEShape
+from runtime.reference import moe_reference
+
+SHAPE = MoEShape(hidden=256, inter=128, experts=32, top_k=4, routed_scale=2.5,
+                 swiglu_limit=10.0, ue8m0=False, shared_experts=1)  # fmt: skip
+
+
+class ReferenceLayer:
+    """Answers like a correct kernel (the FP32 reference, outputs in BF16),
+    optionally with one output row damaged."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, routed, shared, damage=None):
+        self.routed, self.shared, self.damage = routed, shared, damage
+
+    def _ref(self, x, logits, bias):
+        return moe_reference(x, logits, bias, self.routed, self.shared, SHAPE)
+
+    def _hurt(self, t):
+        if self.damage == "row":
+            t = t.clone()
+            t[0] *= 1.5
+        elif self.damage == "nan":
+            t = t.clone()
+            t[-1, -1] = float("nan")
+        return t
+
+    def mega(self, x, logits, bias):
+        r = self._ref(x, logits, bias)
+        return self._hurt(r.out.to(torch.bfloat16)), r.ids, r.weights
+
+    def grouped(self, x, logits, bias, finalize=False):
+        r = self._ref(x, logits, bias)
+        if finalize:
+            return self._hurt(r.final.to(torch.bfloat16))
+        return r.out.to(torch.bfloat16), r.ids, r.weights, self._hurt(r.shared.to(torch.bfloat16))
+
+
+def variant(kernel, tokens, dtype="float32", finalize=False):
+    return types.SimpleNamespace(kernel=kernel, tokens=tokens, logits_dtype=dtype,
+                                 finalize=finalize)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def weights():
+    generator = torch.Generator().manual_seed(torch.seed())
+    _, routed, shared = random_moe_weights(SHAPE, generator)
+    return routed, shared, generator
+
+
+@pytest.mark.parametrize(
+    "v",
+    [
+        variant("mega", 3),
+        variant("mega", 1, "bfloat16"),
+        variant("grouped", 8),
+        variant("grouped", 16, "bfloat16", True),
+    ],  # fmt: skip
+)
+def test_a_correct_layer_passes_and_a_damaged_one_fails(weights, v):
+    routed, shared, generator = weights
+    good = run_variant(ReferenceLayer(routed, shared), v, SHAPE, routed, shared, generator)
+    assert good["ok"], good
+    assert all(val < 1e-2 for key, val in good.items() if key.endswith("_rel_err"))
+    for damage in ("row", "nan"):
+        bad = run_variant(ReferenceLayer(routed, shared, damage), v, SHAPE, routed, shared,
+                          generator)  # fmt: skip
+        assert not bad["ok"], (damage, bad)
+
+
+def test_device_file_name():
+    assert device_file_name("NVIDIA H200") == "verify-nvidia-h200.json"
+    assert device_file_name("  ") == "verify-gpu.json"
+
+
+def test_verify_device_without_a_gpu_is_refused(tmp_path, monkeypatch):
+    use_stub(tmp_path, monkeypatch)
+    out = build(tmp_path / "a", "--variant", "mega-sm_90a-m1-float32")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    code, _, stderr = run("verify", out, "--device")
+    assert code == 2 and "no CUDA device" in stderr
