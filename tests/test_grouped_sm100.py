@@ -64,11 +64,12 @@ def test_layout_is_the_deepest_that_fits(tokens):
 
 
 def test_stage_counts_of_the_glm5_buckets():
-    # 36 KiB a stage (32 KiB of weights, 4 KiB of tokens); what is left of
-    # 226 KiB after the unit tables decides between 6 and 5 stages.
-    stages = {m: grouped.layout_of(plan(m)).stages for m in BUCKETS}
-    assert stages[8] >= stages[64] >= gp.MIN_STAGES, stages
-    assert all(s in (5, 6) for s in stages.values()), stages
+    # 36 KiB a stage (32 KiB of weights, 4 KiB of tokens): the seed's layout
+    # keeps at least 5 stages in flight at every bucket (the unit tables grow
+    # with the tokens, so smaller buckets may hold more).
+    stages = [grouped.layout_of(plan(m)).stages for m in BUCKETS]
+    assert stages == sorted(stages, reverse=True), stages
+    assert min(stages) >= 5, stages
 
 
 def test_tmem_and_warp_roles():
