@@ -21,6 +21,15 @@ issues the UMMAs (one elected lane) and commits them to mbarriers, warps 2-5
 reduce the TMEM accumulators. Every warp redoes its token's top-k from the
 logits (cheaper than a kernel boundary).
 
+The seed's unshown helpers: ``alloc`` is the DSL's ``SmemAllocator``;
+``load_tma3`` ``ptx.tma_load_3d``; ``smem_desc``, ``wait_tmem``, ``load_tmem``,
+``release_tmem`` and the UMMA / commit steps are in ``kernels.ptx.tcgen05``;
+``wait`` ``ptx.mbarrier_wait`` (``_cluster``); ``store_async_dsmem`` is
+``mapa`` + ``st.async`` below; ``pack_fp8``, ``sigmoid``, ``redux``, ``div_rn``
+are ``kernels.ptx`` / ``kernels.moe_common``; ``_weight_map`` is the runtime's
+tensor maps (artifacts/FORMAT.md) and ``_logical_rows``
+``runtime.layout.logical_rows`` (the ``rows1`` / ``rows2`` parameters).
+
 Differences from the seed, none of them in the algorithm: shared addresses are
 32-bit integers (``kernels.ptx`` convention); the waits on barriers completed by
 peer CTAs (``st.async`` data: ``pair``, ``gate_recv``, ``hrecv``) acquire at
