@@ -253,3 +253,31 @@ def test_diff_refuses_corrupted_inputs(tmp_path, full):
     assert code == 2 and "size" in stderr
     code, _, stderr = run("diff", full, tmp_path / "missing")
     assert code == 2 and "no such directory" in stderr
+
+
+def _imports_cutlass(args: list[str], env_extra: dict | None = None) -> tuple[int, bool]:
+    """Runs ``moe-build ARGS`` in a fresh interpreter: (exit status, whether
+    cutlass got imported in that process)."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\nfrom pipeline.cli import main\n"
+        f"try:\n    main({args!r})\nexcept SystemExit as e:\n    rc = e.code\n"
+        "print(rc, any(m == 'cutlass' or m.startswith('cutlass.') for m in sys.modules))\n"
+    )
+    env = dict(os.environ, **(env_extra or {}))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    rc, imported = done.stdout.split()[-2:]
+    return int(rc), imported == "True"
+
+
+def test_reading_commands_need_no_compiler(tmp_path, full):
+    """Release and serving machines inspect, verify, diff, package and merge
+    artifacts without the DSL."""
+    package = str(tmp_path / "p.tar.zst")
+    for args in (["inspect", str(full)], ["verify", str(full)], ["diff", str(full), str(full)],
+                 ["package", str(full), "-o", package],
+                 ["merge", str(full), "-o", str(tmp_path / "m")]):  # fmt: skip
+        assert _imports_cutlass(args) == (0, False), args

@@ -93,3 +93,14 @@ def test_real_kernel_builds_and_verifies(tmp_path, monkeypatch, kernel, arch, va
     (record,) = manifest(out)["variants"]
     assert record["name"] == variant and record["arch"] == arch
     assert [p["name"] for p in record["params"]] and record["resources"]["registers"] > 0
+
+
+def test_compile_keeps_cutlass_out_of_the_parent(tmp_path, fake_env):
+    """Only the per-arch workers import cutlass (CUTE_DSL_ARCH must be set
+    before that import, and the parent serves two archs)."""
+    from test_pipeline_artifacts import _imports_cutlass
+
+    args = ["compile", str(GLM5), "-o", str(tmp_path / "a"), "--variant", "mega-*-m1-float32"]
+    tests = str(GLM5.parent.parent / "tests")
+    assert _imports_cutlass(args, {"PYTHONPATH": tests}) == (0, False)
+    assert len(manifest(tmp_path / "a")["variants"]) == 2
