@@ -142,6 +142,18 @@ class Artifact:
     def tensor_maps(self, tensors: dict, names: tuple[str, ...], device: torch.device):
         return tensormap.build(tensors, names, device)
 
+    def close(self) -> None:
+        """Frees the workspaces and unloads the libraries; layers bound from
+        this artifact must not be called afterwards."""
+        with self._lock:
+            for spaces in self._workspaces.values():
+                spaces.close()
+            self._workspaces.clear()
+            self._launchers.clear()
+            for library in self.libraries.values():
+                driver.unload_library(library)
+            self.libraries = {}
+
 
 def _ordinal(device) -> int:
     if device is None:
