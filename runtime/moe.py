@@ -72,8 +72,16 @@ class MoELayer:
         for dtype in LOGITS:
             kernels = {k: {b: set(f) for b, f in self.buckets.get((k, dtype), {}).items()}
                        for k in ("mega", "grouped")}  # fmt: skip
-            self.tables[dtype] = dict(table[dtype]) if table else default_table(kernels)
+            self.tables[dtype] = dict(table.get(dtype, {})) if table else default_table(kernels)
         self.dtypes = tuple(d for d in LOGITS if self.tables[d])
+        for dtype, steps in self.tables.items():
+            for m, step in steps.items():
+                found = self.buckets.get((step.kernel, dtype), {}).get(step.bucket, {})
+                if step.finalize not in found or not 1 <= m <= step.bucket:
+                    raise InputError(
+                        f"table[{dtype!r}][{m}]: {step} names no variant of this artifact "
+                        f"that serves M = {m}"
+                    )
         uses_mega = any(s.kernel == "mega" for t in self.tables.values() for s in t.values())
         self.shared_expert = None
         if uses_mega and shape.shared_experts:

@@ -166,3 +166,17 @@ def test_shared_expert_matches_reference(weights):
         ref = expert_forward(xq, sx, weights.shared, 0, shape.swiglu_limit, torch.float64).y
         assert got.dtype == torch.bfloat16 and got.shape == (4, SHAPE.hidden)
         assert _rel_l2(got, ref) < 4e-3
+
+
+def test_custom_table_is_checked(weights):
+    from runtime.plan import Step
+
+    table = {"float32": {m: Step("grouped", 8) for m in range(1, 9)}, "bfloat16": {}}
+    layer = _layer(weights, table=table)
+    layer(*_inputs(3))
+    assert layer.calls[-1][0] == "grouped-sm_90a-m8-float32"
+    assert layer.shared_expert is None and layer.dtypes == ("float32",)
+    with pytest.raises(InputError, match=r"table\['float32'\]\[9\]: .* names no variant"):
+        _layer(weights, table={"float32": {9: Step("grouped", 8)}})
+    with pytest.raises(InputError, match="names no variant"):
+        _layer(weights, table={"float32": {1: Step("mega", 2, True)}, "bfloat16": {}})
