@@ -1,15 +1,11 @@
-"""GPU test harness: skips cleanly without a CUDA device, and makes the
-runtime's test helpers (tests/runtime_fixtures.py) importable."""
+"""GPU test harness: a CUDA device and the artifact under test, or a clean skip."""
 
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def cuda_ready() -> bool:
