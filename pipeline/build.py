@@ -144,9 +144,10 @@ def select(config: BuildConfig, archs=(), kernels=(), shard: Shard | None = None
     names = sorted(v.name for v in chosen)
     if shard is not None:
         chosen = shard.take(chosen)
-    if not chosen:
-        raise SelectionError(["nothing to build: the selection has no variants"
-                          + (f" in shard {shard}" if shard else "")])  # fmt: skip
+    if not chosen and shard is None:
+        raise SelectionError(["nothing to build: the selection has no variants"])
+    # A shard may be empty (more shards than variants): it still writes its
+    # manifest, so that merge sees every shard of the build.
     return chosen, names
 
 

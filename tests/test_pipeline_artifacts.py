@@ -281,3 +281,13 @@ def test_reading_commands_need_no_compiler(tmp_path, full):
                  ["package", str(full), "-o", package],
                  ["merge", str(full), "-o", str(tmp_path / "m")]):  # fmt: skip
         assert _imports_cutlass(args) == (0, False), args
+
+
+def test_more_shards_than_variants(tmp_path, stub_env):
+    whole = build(tmp_path / "whole", "--kernel", "mega", "--arch", "sm_90a")
+    shards = [build(tmp_path / f"s{i}", "--kernel", "mega", "--arch", "sm_90a", "--shard",
+                    f"{i}/10") for i in range(1, 11)]  # fmt: skip
+    assert [len(manifest(s)["variants"]) for s in shards] == [1] * 8 + [0, 0]
+    assert run("verify", shards[-1])[0] == 0
+    assert run("merge", *shards, "-o", tmp_path / "merged")[0] == 0
+    assert artifact_files(tmp_path / "merged") == artifact_files(whole)
