@@ -146,3 +146,20 @@ def test_unwritable_cache_does_not_fail_the_build(tmp_path, stub_env, monkeypatc
     build(tmp_path / "a", "--variant", "mega-sm_90a-m1-*")
     build(tmp_path / "b", "--variant", "mega-sm_90a-m1-*")
     assert len(compiled(stub_env)) == 4
+
+
+def test_config_order_changes_no_key(tmp_path, stub_env):
+    """Listing dtypes and targets in another order names the same variants
+    with the same keys: nothing recompiles."""
+    build(tmp_path / "a", "--kernel", "mega")
+    text = GLM5.read_text().replace("[float32, bfloat16]", "[bfloat16, float32]")
+    head, sep, targets = text.partition("targets:\n")
+    entries = targets.strip("\n").split("\n  - ")
+    config = tmp_path / "reordered.yaml"
+    config.write_text(head + sep + "  - " + "\n  - ".join(reversed([e.removeprefix("  - ")
+                                                                   for e in entries])) + "\n")  # fmt: skip
+    build(tmp_path / "b", "--kernel", "mega", config=config)
+    assert len(compiled(stub_env)) == 16
+    a, b = manifest(tmp_path / "a"), manifest(tmp_path / "b")
+    assert a["config_hash"] != b["config_hash"]  # the config records the order as written
+    assert [r["cache_key"] for r in a["variants"]] == [r["cache_key"] for r in b["variants"]]
