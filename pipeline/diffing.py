@@ -63,6 +63,17 @@ def _get(record: dict, dotted: str):
     return value
 
 
+def _flatten(value: dict, prefix: str) -> dict:
+    """{"a": {"b": 1}} -> {"prefix.a.b": 1}."""
+    out = {}
+    for key, item in value.items():
+        if isinstance(item, dict) and item:
+            out.update(_flatten(item, f"{prefix}.{key}"))
+        else:
+            out[f"{prefix}.{key}"] = item
+    return out
+
+
 def diff_manifests(a: dict, b: dict, verify_a: dict | None = None,
                    verify_b: dict | None = None) -> list[Change]:  # fmt: skip
     """Every change from manifest ``a`` to ``b`` (plus their verify records,
@@ -96,7 +107,14 @@ def diff_manifests(a: dict, b: dict, verify_a: dict | None = None,
             continue
         for dotted, kind in _VARIANT_FIELDS.items():
             x, y = _get(va[name], dotted), _get(vb[name], dotted)
-            if x != y:
+            if x == y:
+                continue
+            if isinstance(x, dict) and isinstance(y, dict):  # notes: only what changed
+                fx, fy = _flatten(x, dotted), _flatten(y, dotted)
+                for key in sorted(set(fx) | set(fy)):
+                    if fx.get(key) != fy.get(key):
+                        changes.append(Change(name, key, fx.get(key), fy.get(key), kind))
+            else:
                 changes.append(Change(name, dotted, x, y, kind))
     changes += _diff_verify(verify_a or {}, verify_b or {})
     return changes
