@@ -60,7 +60,15 @@ def test_elf_reader_agrees_with_cuobjdump(tmp_path, fake_env):
             regs, stack, shared
         )  # fmt: skip
         elf = subprocess.run([tool, "-elf", str(path)], capture_output=True, text=True).stdout
-        assert f"sm={v.arch.removeprefix('sm_')}" in elf.replace(" ", "")
+        header = elf.replace(" ", "").split("\n", 2)[
+            1
+        ]  # "64bitelf:type=2,abi=7,sm=90a,toolkit=129,..."
+        assert f"sm={v.arch.removeprefix('sm_')}," in header
+        toolkit = re.search(r"toolkit=([0-9.]+),", header).group(1)
+        info = read_cubin(v.cubin)
+        assert toolkit in (str(info.toolkit), info.toolkit_version)
+        if v.arch == "sm_100a":  # ELF ABI 8 carries ptxas's own version string
+            assert info.ptxas is not None and info.ptxas.startswith(info.toolkit_version + ".")
 
 
 def test_inspect_sass(tmp_path, fake_env):
