@@ -291,3 +291,14 @@ def test_more_shards_than_variants(tmp_path, stub_env):
     assert run("verify", shards[-1])[0] == 0
     assert run("merge", *shards, "-o", tmp_path / "merged")[0] == 0
     assert artifact_files(tmp_path / "merged") == artifact_files(whole)
+
+
+def test_merge_accepts_packaged_shards(tmp_path, stub_env):
+    whole = build(tmp_path / "whole", "--kernel", "mega")
+    packages = []
+    for i in (1, 2):
+        shard = build(tmp_path / f"s{i}", "--kernel", "mega", "--shard", f"{i}/2")
+        packages.append(tmp_path / f"s{i}.tar.zst")
+        assert run("package", shard, "-o", packages[-1])[0] == 0
+    assert run("merge", *packages, "-o", tmp_path / "m")[0] == 0
+    assert artifact_files(tmp_path / "m") == artifact_files(whole)
