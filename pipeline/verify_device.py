@@ -9,17 +9,17 @@ max threads per block, max dynamic shared memory) and the run's result
 (``ok``, the error measures, or the exception text). diff compares these
 records between artifacts.
 
-Agreement rule (one place, with its reason): every output is compared with
-the float64 reference fed the kernel's own expert choice (a near-tie may
-resolve either way), as ``max |got - ref| / max |ref|``. The kernels and the
-reference quantize activations and hidden values to FP8 the same way, so the
-remaining differences are accumulation order (FP32 in the kernels) and the
-BF16 rounding of the outputs (2^-9 relative): a hidden value that lands on the
-other side of an FP8 rounding boundary moves one output by ~2^-4 of one
-term's contribution. ``REL_TOL = 2e-2`` sits above both and far below any real
-fault (wrong rows, scales or experts give errors of order 1). The routing
-weights must match to 1e-5 relative (FP32 sigmoid and sum), and at least
-``MIN_ID_AGREEMENT`` of the chosen experts must be the reference's.
+Agreement rule, the same as the runtime's GPU acceptance test
+(tests/gpu/test_moe_artifact.py, where the numbers were measured): every
+output is compared with the float32 reference that quantizes activations and
+hidden values the same way, fed the kernel's own expert choice, as the
+relative L2 error ``|got - ref| / |ref|``; it must stay below
+``REL_L2_TOL = 3e-2`` (measured on the H200, driver 580.159, all 28 sm_90a
+variants: 1.3e-2 to 2.05e-2, attributed to Hopper's FP8 wgmma accumulation
+moving some hidden values across an FP8 rounding boundary; broken kernels land
+at ~0.3 to ~1). The chosen experts must equal the reference's except on
+tokens whose selection keys are within ``TIE`` of a tie, and the routing
+weights must match to ``rtol=1e-5, atol=1e-6`` (FP32 sigmoid and sum).
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-REL_TOL = 2e-2
-WEIGHT_TOL = 1e-5
-MIN_ID_AGREEMENT = 0.95
+REL_L2_TOL = 3e-2
+TIE = 1e-6
+WEIGHT_RTOL, WEIGHT_ATOL = 1e-5, 1e-6
 ATTRIBUTES = {
     "registers": "NUM_REGS",
     "local_bytes": "LOCAL_SIZE_BYTES",
@@ -50,19 +50,17 @@ def device_file_name(name: str) -> str:
     return f"verify-{slug}.json"
 
 
-def _rel_err(got, ref) -> float:
-    ref = ref.double()
-    scale = ref.abs().max().item() or 1.0
-    return (got.double() - ref).abs().max().item() / scale
+def rel_l2(got, ref) -> float:
+    return ((got.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 def run_variant(layer, variant, shape, routed, shared, generator) -> dict:
     """One call of ``variant`` (through the bound ``layer``) with fresh random
     inputs on ``layer.device``, compared with the reference (module
-    docstring); returns ``{"ok": bool, "<output>_rel_err": x, ...}``."""
+    docstring); returns ``{"ok": bool, "<output>_rel_l2": x, ...}``."""
     import torch
 
-    from runtime.reference import moe_reference
+    from runtime.reference import moe_reference, tie_margin
 
     device = layer.device
     m = variant.tokens
@@ -70,37 +68,36 @@ def run_variant(layer, variant, shape, routed, shared, generator) -> dict:
     x = torch.randn(m, shape.hidden, generator=generator, device=device).to(torch.bfloat16)
     logits = torch.randn(m, shape.experts, generator=generator, device=device).to(dtype)
     bias = 0.1 * torch.randn(shape.experts, generator=generator, device=device)
+    ids = weights = None
     if variant.kernel == "mega":
         out, ids, weights = layer.mega(x, logits, bias)
         got = {"out": out}
     elif variant.finalize:
-        final = layer.grouped(x, logits, bias, finalize=True)
-        ids = weights = None
-        got = {"final": final}
+        got = {"final": layer.grouped(x, logits, bias, finalize=True)}
     else:
         out, ids, weights, shared_out = layer.grouped(x, logits, bias)
         got = {"out": out, "shared": shared_out}
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    ref = moe_reference(x, logits, bias, routed, shared, shape, dtype=torch.float64, ids=ids)
-    result = {}
+    result, ok = {}, True
+    ref = moe_reference(x, logits, bias, routed, shared, shape)
     if ids is not None:
-        plain = moe_reference(x, logits, bias, routed, shared, shape, dtype=torch.float64)
-        agree = ids.view(m, -1).long().sort(1).values == plain.ids.long().sort(1).values
-        result["id_agreement"] = round(agree.float().mean().item(), 6)
-        result["weights_rel_err"] = _rel_err(weights.float().view(m, -1), ref.weights)
+        near_tie = tie_margin(logits, bias, shape.top_k) < TIE
+        same = (ids.view(m, -1).long() == ref.ids.long()).all(dim=1)
+        result["routing_ok"] = bool((same | near_tie).all())
+        ref = moe_reference(x, logits, bias, routed, shared, shape, ids=ids)
+        result["weights_ok"] = bool(torch.allclose(weights.float().view(m, -1), ref.weights,
+                                                   rtol=WEIGHT_RTOL, atol=WEIGHT_ATOL))  # fmt: skip
+        ok = result["routing_ok"] and result["weights_ok"]
     for key, tensor in got.items():
         if torch.isnan(tensor.float()).any():
-            result[f"{key}_rel_err"] = None
+            result[f"{key}_rel_l2"] = None
             result["error"] = f"{key} has NaN (unwritten elements)"
+            ok = False
             continue
-        result[f"{key}_rel_err"] = _rel_err(tensor, getattr(ref, key))
-    ok = "error" not in result and all(
-        result[f"{k}_rel_err"] is not None and result[f"{k}_rel_err"] <= REL_TOL for k in got
-    )
-    if ids is not None:
-        ok = ok and result["id_agreement"] >= MIN_ID_AGREEMENT
-        ok = ok and result["weights_rel_err"] <= WEIGHT_TOL
+        err = rel_l2(tensor, getattr(ref, key))
+        result[f"{key}_rel_l2"] = round(err, 6)
+        ok = ok and err < REL_L2_TOL
     result["ok"] = bool(ok)
     return result
 
@@ -127,7 +124,12 @@ def verify_device(path: str | Path, ordinal: int = 0):
         "sm_count": driver.sm_count(ordinal),
         "max_smem_optin": driver.max_smem_optin(ordinal),
         "driver_version": driver.driver_version(),
-        "tolerances": {"rel": REL_TOL, "weights": WEIGHT_TOL, "ids": MIN_ID_AGREEMENT},
+        "tolerances": {
+            "rel_l2": REL_L2_TOL,
+            "tie": TIE,
+            "weights_rtol": WEIGHT_RTOL,
+            "weights_atol": WEIGHT_ATOL,
+        },  # fmt: skip
         "variants": {},
     }
     problems = []
