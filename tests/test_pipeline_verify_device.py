@@ -94,3 +94,42 @@ def test_verify_device_without_a_gpu_is_refused(tmp_path, monkeypatch):
         pytest.skip("a GPU is present")
     code, _, stderr = run("verify", out, "--device")
     assert code == 2 and "no CUDA device" in stderr
+
+
+@pytest.mark.gpu
+def test_verify_device_on_the_gpu(tmp_path):
+    """``moe-build verify --device`` on $MOE_BUILD_ARTIFACT (a directory or
+    package built for this GPU's arch), run on a copy so the record lands
+    beside a private manifest."""
+    import json
+    import os
+    import shutil
+    from pathlib import Path
+
+    source = os.environ.get("MOE_BUILD_ARTIFACT")
+    if not source or not Path(source).exists():
+        pytest.skip("MOE_BUILD_ARTIFACT is not set")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    copy = tmp_path / "artifact"
+    if Path(source).is_dir():
+        shutil.copytree(source, copy)
+    else:
+        from runtime.artifact import unpack
+
+        copy.mkdir()
+        unpack(source, copy)
+    code, stdout, stderr = run("verify", copy, "--device")
+    print(stdout)
+    assert code == 0, stdout + stderr
+    (path,) = copy.glob("verify-*.json")
+    record = json.loads(path.read_text())
+    manifest = json.loads((copy / "manifest.json").read_text())
+    ours = {r["name"]: r for r in manifest["variants"] if r["arch"] == record["arch"]}
+    assert set(record["variants"]) == set(ours)
+    for name, entry in record["variants"].items():
+        assert entry["result"]["ok"], (name, entry)
+        assert entry["attributes"]["registers"] == ours[name]["resources"]["registers"]
+    assert record["driver_version"] >= manifest["min_driver"]
+    # A second artifact with the same record diffs clean.
+    assert run("diff", copy, copy)[0] == 0
