@@ -48,8 +48,11 @@ class Opened:
 
 @contextlib.contextmanager
 def open_artifact(path: str | Path) -> Iterator[Opened]:
-    """Yields the verified artifact at ``path``; raises ArtifactError."""
+    """Yields the verified artifact at ``path`` (a directory, its
+    ``manifest.json``, or a package); raises ArtifactError."""
     path = Path(path)
+    if path.name == "manifest.json" and path.is_file():
+        path = path.parent  # the artifact directory, named by its manifest
     if path.is_dir():
         yield Opened(path, artifact.read(path))
         return
