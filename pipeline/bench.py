@@ -183,10 +183,8 @@ class Bench:
         self.log = log
         self.reps = reps
         self.artifact = runtime.load(artifact_path)
-        config = self.artifact.config
-        self.config = config
-        m = config["model"]
-        self.shape = MoEShape(**m)
+        self.config = self.artifact.manifest["config"]
+        self.shape = self.artifact.shape
         self.g = torch.Generator(device=self.device).manual_seed(
             seed if seed is not None else int.from_bytes(os.urandom(4), "little")
         )

@@ -25,7 +25,7 @@ def _tokens(_ctx, _param, value: str) -> list[int]:
               help="Comma-separated token counts M to time.")  # fmt: skip
 @click.option("--routing", "routings", multiple=True, default=("random",), show_default=True,
               type=click.Choice(["random", "uniform", "skewed"]),
-              help="Router bias distribution (repeatable; see design of pipeline.bench).")  # fmt: skip
+              help="Router bias: random N(0,0.1), uniform 0, skewed N(0,1) (repeatable).")  # fmt: skip
 @click.option("--reps", default=50, show_default=True, help="Graph replays per case.")
 @click.option("--seed", type=int, default=None, help="Seed of weights and inputs (default: fresh).")
 @click.option(

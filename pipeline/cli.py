@@ -9,7 +9,7 @@ import sys
 import click
 import yaml
 
-from pipeline import commands
+from pipeline import bench_command, commands
 from pipeline.config import ConfigError, load_config
 from pipeline.variants import expand
 
@@ -188,6 +188,9 @@ def diff(a, b, as_json):
     that passed in A fails in B), 0 otherwise, 2 when an artifact is unreadable.
     """
     sys.exit(commands.diff(a, b, as_json))
+
+
+main.add_command(bench_command.bench)
 
 
 if __name__ == "__main__":

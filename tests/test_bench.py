@@ -1,0 +1,57 @@
+"""The benchmark's bookkeeping (the timing itself needs a GPU: `moe-build bench`)."""
+
+import torch
+from click.testing import CliRunner
+
+from pipeline.bench import ROUTINGS, Row, _speedups, crossover, distinct_experts, routing_inputs
+from pipeline.bench_command import table
+from pipeline.cli import main
+from runtime.model import MoEShape
+
+SHAPE = MoEShape(256, 128, 64, 4, 2.5, 10.0, False, 1)
+
+
+def _row(kernel, m, t, finalize=None):
+    return Row(kernel=kernel, arch="sm_90a", tokens=m, routing="random", distinct_experts=4.0,
+               weight_bytes=10**6, time_us=t, time_us_min=t, time_us_max=t, reps=5, tb_s=1.0,
+               floor_fraction=0.25, correct=True, rel_l2=1e-3, max_abs=1e-2, near_ties=0,
+               finalize=finalize)  # fmt: skip
+
+
+def test_routing_bias_spread_sets_distinct_experts():
+    g = torch.Generator().manual_seed(0)
+    counts = {}
+    for kind in ROUTINGS:
+        _, logits, bias = routing_inputs(kind, 16, SHAPE, 8, g, "cpu")
+        assert logits.shape == (8, 16, 64) and bias.shape == (64,)
+        counts[kind] = distinct_experts(logits, bias, SHAPE.top_k)
+    # Skewed routing concentrates tokens on fewer experts than uniform routing.
+    assert counts["skewed"] < counts["random"] <= counts["uniform"] + 2
+    assert 1 <= counts["skewed"] and counts["uniform"] <= 64
+
+
+def test_speedups_and_crossover():
+    rows = [_row("baseline", 4, 100.0), _row("mega", 4, 20.0), _row("grouped", 4, 25.0, False),
+            _row("grouped", 4, 30.0, True), _row("layer", 4, 22.0)]  # fmt: skip
+    _speedups(rows)
+    assert rows[1].speedup_vs_baseline == 5.0 and rows[0].speedup_vs_baseline is None
+    assert crossover(rows) == [
+        {"routing": "random", "tokens": 4, "mega": 20.0, "grouped": 25.0, "faster": "mega"}
+    ]
+
+
+def test_table_lists_every_row():
+    rows = [_row("layer", 1, 15.0), _row("baseline", 1, 900.0)]
+    _speedups(rows)
+    result = {"device": "GPU", "driver": "1", "sms": 1, "copy_tb_s": 4.0, "commit": "abc",
+              "date": "2026-01-01", "rows": [r.__dict__ for r in rows]}  # fmt: skip
+    text = table(result)
+    assert text.count("\n| random |") == 2 and "60.0x" in text
+
+
+def test_bench_refuses_bad_tokens_and_needs_a_gpu(tmp_path):
+    r = CliRunner().invoke(main, ["bench", str(tmp_path), "--tokens", "0,65"])
+    assert r.exit_code == 2 and "1..64" in r.output
+    if not torch.cuda.is_available():
+        r = CliRunner().invoke(main, ["bench", str(tmp_path)])
+        assert r.exit_code == 2 and "needs a CUDA GPU" in r.output
