@@ -49,4 +49,15 @@ def _grouped(arch: str, hidden: int, inter: int, experts: int, top_k: int) -> li
         )
     if top_k > 32:
         reasons.append(f"top_k {top_k}: the grouped kernel writes one route per lane (<= 32)")
+    # The plan's stage words and tiling (both archs), and sm_90a's shared
+    # memory at the largest bucket (grouped_plan imports this module: late import).
+    from kernels import grouped_plan
+
+    reasons += grouped_plan.plan_problems(hidden, inter, experts, top_k, MAX_TOKENS)
+    if arch == "sm_90a" and not reasons:
+        plan = grouped_plan.GroupedPlan(hidden, inter, experts, top_k, MAX_TOKENS, 1)
+        try:
+            grouped_plan.fit_layout(plan, arch, gatherers=3)
+        except ValueError as e:
+            reasons.append(f"grouped sm_90a shared memory: {e}")
     return reasons

@@ -305,3 +305,14 @@ def test_plan_refuses_unservable_shapes():
     with pytest.raises(ValueError, match="multiples of 256"):
         gp.GroupedPlan(4096, 384, 288, 8, 64, 132)
     assert gp.plan_problems(4096, 512, 288, 8, 64) == []
+
+
+def test_shape_rules_name_the_plan_limits(monkeypatch):
+    from kernels.shapes import unsupported
+
+    assert unsupported("grouped", "sm_90a", 4096, 512, 288, 8, 64) == []
+    reasons = unsupported("grouped", "sm_90a", 4096, 384, 100, 8, 64)
+    assert any("inter 384" in r for r in reasons) and any("experts 100" in r for r in reasons)
+    # A target whose shared memory cannot hold the smallest ring.
+    monkeypatch.setitem(gp.SMEM_LIMIT, "sm_90a", 100 * 1024)
+    assert any("shared memory" in r for r in unsupported("grouped", "sm_90a", 4096, 512, 288, 8, 8))
