@@ -314,8 +314,9 @@ class GroupedCommon:
         mine = self.parity_block(counters, parity)
         other = self.parity_block(counters, 1 - parity)
         per_cta = (words + self.grid - 1) // self.grid
-        if tid < per_cta and cta * per_cta + tid < words:
-            ptx.st_global_u32(other + Int64(cta * per_cta + tid) * 4, Uint32(0))
+        for i in cutlass.range(tid, per_cta, THREADS, unroll=1):
+            if cta * per_cta + i < words:
+                ptx.st_global_u32(other + Int64(cta * per_cta + i) * 4, Uint32(0))
         if tid == 0:
             if cta < self.tokens:
                 ptx.red_add_release_gpu_u32(mine, Uint32(1))
