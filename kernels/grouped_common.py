@@ -540,10 +540,15 @@ class GroupedCommon:
             index, tile, chunk = self.weight_box(t, word)
             ptx.mbarrier_arrive_expect_tx(t.full(slot), self.layout.a_bytes)
             tmap = maps + Int64(index) * 128
+            # Weights stream through L2 once: evict them first, keeping the
+            # plan, hidden blocks, partials and outputs there (H200: 1-3%
+            # faster at every M, e.g. M = 8 87.5 -> 84.8 us, M = 64 233.2 ->
+            # 230.7 us).
+            policy = ptx.create_policy_evict_first()
             for d in cutlass.range_constexpr(DEPTH):
-                ptx.tma_load_3d(
+                ptx.tma_load_3d_hint(
                     t.weights + slot * self.layout.a_bytes + d * STAGE_BYTES, tmap,
-                    t.full(slot), Int32(0), tile * TILE, chunk + d,
+                    t.full(slot), Int32(0), tile * TILE, chunk + d, policy,
                 )  # fmt: skip
 
     @cute.jit
