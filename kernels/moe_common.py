@@ -44,11 +44,19 @@ def hidden_scale(amax: Float32) -> Float32:
     return ptx.div_rn(cute.arch.fmax(amax, Float32(SCALE_FLOOR)), Float32(FP8_MAX))
 
 
+def e4m3x4(a: Float32, b: Float32, c: Float32, d: Float32) -> Uint32:
+    """Four FP32 values as e4m3 bytes of one word (``a`` lowest), rounded to
+    nearest even from FP32 exactly like torch's conversion (``round_e4m3``)
+    and saturated at +-448 (= clamping first)."""
+    return ptx.cvt_e4m3x4(ptx.round_e4m3(a), ptx.round_e4m3(b), ptx.round_e4m3(c),
+                          ptx.round_e4m3(d))  # fmt: skip
+
+
 def fp8_code(value: Float32, scale: Float32) -> Uint32:
     """The e4m3 byte of ``value / scale`` (IEEE division, round to nearest
     even, saturating) in the low byte of a word."""
     zero = Float32(0.0)
-    return ptx.cvt_e4m3x4(ptx.div_rn(value, scale), zero, zero, zero) & Uint32(0xFF)
+    return e4m3x4(ptx.div_rn(value, scale), zero, zero, zero) & Uint32(0xFF)
 
 
 @cute.jit
@@ -62,6 +70,73 @@ def group_amax(value: Float32, lanes: cutlass.Constexpr[int]) -> Float32:
 
 
 # -- routing -------------------------------------------------------------------------------
+
+
+@cute.jit
+def _route_keys(logits, bias, lane, experts: cutlass.Constexpr[int],
+                logits_bf16: cutlass.Constexpr[bool]):  # fmt: skip
+    """Scores (sigmoid of the logits) and order keys (of score + bias) of the
+    experts lane l holds (l + 32 j), as two register tensors."""
+    per = experts // 32
+    scores = cute.make_rmem_tensor(cute.make_layout((per,)), Float32)
+    offsets = cute.make_rmem_tensor(cute.make_layout((per,)), Float32)
+    keys = cute.make_rmem_tensor(cute.make_layout((per,)), Uint32)
+    # Every load first: interleaved with the sigmoids they would serialize.
+    for j in cutlass.range_constexpr(per):
+        expert = Int64(j * 32 + lane)
+        if cutlass.const_expr(logits_bf16):
+            scores[j] = ptx.bf16_low(ptx.ld_global_nc_u16(logits + expert * 2))
+        else:
+            scores[j] = ptx.ld_global_nc_f32(logits + expert * 4)
+        offsets[j] = ptx.ld_global_nc_f32(bias + expert * 4)
+    for j in cutlass.range_constexpr(per):
+        scores[j] = sigmoid(scores[j])
+        keys[j] = ptx.float_order_key(scores[j] + offsets[j])
+    return scores, keys
+
+
+@cute.jit
+def _take_best(scores, keys, lane):
+    """One selection round: the expert with the largest key (ties: lower
+    expert) and its score (warp-uniform); its key becomes 0 (taken)."""
+    per = cute.size(keys)
+    best = keys[0]
+    for j in cutlass.range_constexpr(1, per):
+        best = cutlass.max(best, keys[j])
+    top = ptx.redux_max_u32(best)
+    candidate = Uint32(0xFFFFFFFF)
+    for j in cutlass.range_constexpr(per - 1, -1, -1):
+        if keys[j] == top:
+            candidate = Uint32(j * 32) + Uint32(lane)
+    winner = Int32(ptx.redux_min_u32(candidate))
+    score = Float32(0.0)
+    for j in cutlass.range_constexpr(per):
+        if winner == j * 32 + lane:
+            score = scores[j]
+            keys[j] = Uint32(0)
+    return winner, cute.arch.shuffle_sync(score, winner % 32)
+
+
+@cute.jit
+def route_pick(
+    logits: Int64,
+    bias: Int64,
+    lane: Int32,
+    k: Int32,
+    experts: cutlass.Constexpr[int],
+    top_k: cutlass.Constexpr[int],
+    logits_bf16: cutlass.Constexpr[bool],
+) -> Int32:
+    """Expert of route ``k`` (0-based, selection order) of one token, with one
+    warp (warp-uniform result): ``route_token``'s selection, stopped after
+    round ``k`` (no weight), for a caller whose next step waits on it."""
+    scores, keys = _route_keys(logits, bias, lane, experts, logits_bf16)
+    pick = Int32(0)
+    for r in cutlass.range_constexpr(top_k):
+        if r <= k:
+            winner, _ = _take_best(scores, keys, lane)
+            pick = winner
+    return pick
 
 
 @cute.jit
@@ -86,40 +161,12 @@ def route_token(
     ``weight_k = s_k / sum_j s_j * scale`` (sum in selection order). Lane l
     holds experts l + 32 j, so ``experts`` must be a multiple of 32. Issue it
     after ``griddepcontrol.wait`` (it reads inputs)."""
-    per = experts // 32
-    scores = cute.make_rmem_tensor(cute.make_layout((per,)), Float32)
-    offsets = cute.make_rmem_tensor(cute.make_layout((per,)), Float32)
-    keys = cute.make_rmem_tensor(cute.make_layout((per,)), Uint32)
-    # Every load first: interleaved with the sigmoids they would serialize.
-    for j in cutlass.range_constexpr(per):
-        expert = Int64(j * 32 + lane)
-        if cutlass.const_expr(logits_bf16):
-            scores[j] = ptx.bf16_low(ptx.ld_global_nc_u16(logits + expert * 2))
-        else:
-            scores[j] = ptx.ld_global_nc_f32(logits + expert * 4)
-        offsets[j] = ptx.ld_global_nc_f32(bias + expert * 4)
-    for j in cutlass.range_constexpr(per):
-        scores[j] = sigmoid(scores[j])
-        keys[j] = ptx.float_order_key(scores[j] + offsets[j])
+    scores, keys = _route_keys(logits, bias, lane, experts, logits_bf16)
     total = Float32(0.0)
     mine = Int32(0)
     picked = Float32(0.0)
     for r in cutlass.range_constexpr(top_k):
-        best = keys[0]
-        for j in cutlass.range_constexpr(1, per):
-            best = cutlass.max(best, keys[j])
-        top = ptx.redux_max_u32(best)
-        candidate = Uint32(0xFFFFFFFF)
-        for j in cutlass.range_constexpr(per - 1, -1, -1):
-            if keys[j] == top:
-                candidate = Uint32(j * 32) + Uint32(lane)
-        winner = Int32(ptx.redux_min_u32(candidate))
-        score = Float32(0.0)
-        for j in cutlass.range_constexpr(per):
-            if winner == j * 32 + lane:
-                score = scores[j]
-                keys[j] = Uint32(0)
-        score = cute.arch.shuffle_sync(score, winner % 32)
+        winner, score = _take_best(scores, keys, lane)
         total = total + score
         if lane == r:
             mine = winner
@@ -139,7 +186,7 @@ def quantize_activations(values, lanes: cutlass.Constexpr[int], ue8m0: cutlass.C
     ``amax = max(1e-10, max|x|)``, ``sx = amax / 448`` (IEEE), rounded up to a
     power of two with ``ue8m0``; codes ``e4m3(x * (1 / sx))`` (the correctly
     rounded reciprocal, as the seeds and ``runtime.reference`` do; round to
-    nearest even, saturating). Returns ``(words, sx)``: a register tensor of
+    nearest even, saturating: ``e4m3x4``). Returns ``(words, sx)``: a register tensor of
     len(values) / 4 words, four codes each, the first value in the lowest
     byte."""
     n = cute.size(values)
@@ -153,7 +200,7 @@ def quantize_activations(values, lanes: cutlass.Constexpr[int], ue8m0: cutlass.C
     inverse = ptx.div_rn(Float32(1.0), sx)
     words = cute.make_rmem_tensor(cute.make_layout((n // 4,)), Uint32)
     for w in cutlass.range_constexpr(n // 4):
-        words[w] = ptx.cvt_e4m3x4(
+        words[w] = e4m3x4(
             ptx.mul_rn(values[4 * w], inverse),
             ptx.mul_rn(values[4 * w + 1], inverse),
             ptx.mul_rn(values[4 * w + 2], inverse),

@@ -7,7 +7,8 @@ module             instructions
 ``mbarrier``       mbarrier init / arrive / expect_tx / try_wait (CTA and
                    cluster scope), ``fence.mbarrier_init``
 ``tma``            tensor-map acquire fence and prefetch, 3-D
-                   ``cp.async.bulk.tensor`` loads, L2 evict-first policy
+                   ``cp.async.bulk.tensor`` loads and L2 prefetches, L2 evict-first
+                   policy
 ``wgmma``          (sm_90a only) FP8 ``wgmma.mma_async`` m64nNk32, fence /
                    commit / wait, the 128B-swizzle smem descriptor
 ``cluster``        ``%cluster_ctarank``, ``mapa``, cluster barrier, ``st.async``
@@ -48,6 +49,7 @@ from .convert import (  # noqa: F401
     cvt_e4m3x4,
     float_bits,
     float_order_key,
+    round_e4m3,
 )
 from .fmath import div_rn, ex2_approx, fmax_abs, mul_rn, rcp_approx  # noqa: F401
 from .mbarrier import (  # noqa: F401
@@ -114,4 +116,5 @@ from .tma import (  # noqa: F401
     tensormap_fence_acquire,
     tma_load_3d,
     tma_load_3d_hint,
+    tma_prefetch_3d,
 )

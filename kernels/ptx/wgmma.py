@@ -73,19 +73,22 @@ def wgmma_e4m3(acc: list, desc_a: Int64, desc_b: Int64, accumulate, *, loc=None,
                ip=None) -> list:  # fmt: skip
     """``wgmma.mma_async.sync.aligned.m64nNk32.f32.e4m3.e4m3`` with N =
     2 * len(acc): D (+)= A[64 x 32] . B[N x 32]^T, A and B K-major in shared
-    memory; ``accumulate`` (Int32 or Python bool) is scale-d (0: D = A.B).
-    Returns the new accumulators (tied registers; read them only after
-    ``wgmma_wait``)."""
+    memory; ``accumulate`` is scale-d (False / 0: D = A.B), a Python bool
+    (folded into the instruction) or an Int32. Returns the new accumulators
+    (tied registers; read them only after ``wgmma_wait``)."""
     n = len(acc)
     # Operands: n outputs, n tied inputs (numbered too), then the descriptors.
     assert n in (4, 8, 16, 32, 64), n
     regs = ",".join(f"${i}" for i in range(n))
+    ins, args = "f" * n + "ll", [*acc, desc_a, desc_b]
+    if isinstance(accumulate, bool):
+        predicate = f"setp.ne.b32 p, {int(accumulate)}, 0; "
+    else:
+        predicate = f"setp.ne.b32 p, ${2 * n + 2}, 0; "
+        ins, args = ins + "r", [*args, Int32(accumulate)]
     code = (
-        "{ .reg .pred p; "
-        f"setp.ne.b32 p, ${2 * n + 2}, 0; "
-        f"wgmma.mma_async.sync.aligned.m64n{2 * n}k32.f32.e4m3.e4m3 "
+        "{ .reg .pred p; " + predicate
+        + f"wgmma.mma_async.sync.aligned.m64n{2 * n}k32.f32.e4m3.e4m3 "
         f"{{{regs}}}, ${2 * n}, ${2 * n + 1}, p, 1, 1; }}"
-    )
-    out = asm(code, "f" * n, "f" * n + "llr", (*acc, desc_a, desc_b, Int32(accumulate)),
-              tied=n, loc=loc, ip=ip)  # fmt: skip
-    return list(out)
+    )  # fmt: skip
+    return list(asm(code, "f" * n, ins, tuple(args), tied=n, loc=loc, ip=ip))

@@ -1,0 +1,574 @@
+"""Routed experts of a few decode tokens as one kernel on Hopper (sm_90a).
+
+Every (token, expert) route of M tokens (M = 1..4) runs in one 8-CTA cluster in
+one launch: routing, FP8 activation quantization, GEMM1 with block scales,
+clamped SwiGLU, FP8 hidden quantization and GEMM2, writing one unweighted BF16
+row per route (``out[token * top_k + k]``), the expert ``ids`` and the routing
+``weights``. This is the seed's MegaExperts (``shared/seeds/mega_moe.clean.txt``)
+ported from tcgen05/TMEM to warpgroup MMA with register accumulators, with a
+different work split (below).
+
+Work split (one cluster per route, CTA rank r of C = 2I/128 = 8):
+  * GEMM1 (W31 rows: up tiles, then gate tiles): row tile r (128 rows) over
+    the full K (H/128 = 32 K blocks). Gate CTA r >= C/2 hands its 128 gate
+    values to up CTA r - C/2 over DSMEM; the up CTA computes the SwiGLU,
+    quantizes the 128-value hidden block (FP8, scale amax / 448) and
+    broadcasts it with its scale to all 8 CTAs (``st.async`` into each CTA's
+    GEMM2 B tiles): two DSMEM hops.
+  * GEMM2: rows ``r * H/8 .. + H/8`` (4 row tiles x I/128 = 4 K blocks).
+
+Why 8 CTAs per route and not the seed's 16 (measured on the H200 with
+``%smid`` stamps): a 16-CTA cluster occupies one CTA on each of 16 SMs of a
+GPC, and only 7 such 16-SM sets exist, so a 1-token call's 8 routes put two
+clusters on one set (those SMs then carry two CTAs and finish last: 18.0 us
+against 14.5-16.4 us for the others), and 2 tokens (16 routes) already need
+a second wave at 2 CTAs per SM (14 resident clusters): 37 us for M=2. 8-CTA
+clusters fit 15 (1 CTA/SM), 30 (2/SM) or more (3/SM) at a time.
+
+Block scales (not powers of two) are applied in the epilogue with the
+"column trick": K block kb's token (hidden block) is B column kb % 8 of a
+``wgmma m64n8k32`` (the other columns zero), so each K block's unscaled
+partial lands in its own accumulator column (4 sets of 8 columns for 32 K
+blocks) and the MMAs of all K blocks run back to back. The GEMM1 B operand
+is 8 rotating 1 KB tiles: tile b only ever holds a token block in row b, so
+refilling it (one 16-byte store per thread of one warp, every 4 K blocks,
+once the MMA that read it has retired) needs no zeroing.
+
+Warps: 0-3 are the MMA warpgroup (activation quantization, wgmma, both
+epilogues, the DSMEM exchange); warp 4 is the TMA producer. Weights stream
+through a ring of 16 KB stages (one 128 x 128 TMA box each); a stage is
+released one ``wgmma.wait_group`` after it was issued. The ring depth is
+chosen per token bucket (``STAGES``) so that every route's cluster is
+resident at once.
+
+Measured on the H200: see ``MEASURED`` below (graph of 40 calls with
+rotating inputs, L2 defeated by distinct experts per call).
+"""
+
+from __future__ import annotations
+
+import os
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64, Uint32
+
+from kernels import ptx
+from kernels.moe_common import (
+    TILE,
+    fp8_code,
+    hidden_scale,
+    logical_row,
+    quantize_activations,
+    route_pick,
+    route_token,
+    swiglu,
+)
+from kernels.ptx import wgmma
+from kernels.spec import CompiledKernel, KernelSpec, LaunchShape, Param
+
+STAGE_BYTES = TILE * TILE  # one 128 x 128 FP8 TMA box
+B_BYTES = 8 * TILE  # one N=8 B tile: 8 rows of 128 K bytes (one swizzle atom)
+B1_TILES = 8  # rotating GEMM1 B tiles (tile b holds its token block in row b)
+REFILL = 4  # GEMM1 K blocks per B refill (one warp's 32 stores, one barrier)
+MMA_THREADS = 128  # the MMA warpgroup (warps 0-3)
+THREADS = MMA_THREADS + 32  # + the producer warp
+PRODUCER_WARP = MMA_THREADS // 32
+ENTRY = "moe_mega_sm90"
+PARAMS = ("maps", "w13_scale", "w2_scale", "x", "logits", "bias", "rows1", "rows2", "out",
+          "ids", "weights")  # fmt: skip
+WG_BARRIER = 1  # named barrier of the MMA warpgroup (0 is __syncthreads)
+
+#: Ring depth and CTAs per SM per token bucket: M routes x 8 CTAs must all be
+#: resident (hopper.md's occupancy table for 8-CTA clusters), and with fewer
+#: CTAs per SM each needs more bytes in flight.
+STAGES = {1: (10, 1), 2: (6, 2), 3: (6, 2), 4: (3, 3)}
+
+
+class MegaMoeSm90:
+    """One variant (spec) of the Hopper mega kernel: shared-memory layout,
+    host launch and device code."""
+
+    def __init__(self, spec: KernelSpec, stages: int | None = None, ctas_per_sm: int | None = None,
+                 prefetch: str = "none"):  # fmt: skip
+        hidden, inter = spec.hidden, spec.inter
+        self.hidden, self.inter, self.experts, self.top_k = hidden, inter, spec.experts, spec.top_k
+        self.scale, self.limit, self.ue8m0 = spec.scale, spec.limit, spec.ue8m0
+        self.logits_bf16 = spec.logits_dtype == "bfloat16"
+        self.routes = spec.tokens * spec.top_k
+        default_stages, default_ctas = STAGES[min(spec.tokens, max(STAGES))]
+        self.stages = stages or default_stages
+        self.ctas_per_sm = ctas_per_sm or default_ctas
+        self.prefetch = prefetch
+        self.nk1 = hidden // TILE  # GEMM1 K blocks
+        self.nk2 = inter // TILE  # GEMM2 K blocks (= up tiles)
+        self.cluster = 2 * inter // TILE  # one CTA per GEMM1 row tile
+        assert self.cluster in (2, 4, 8, 16), "cluster of one CTA per GEMM1 row tile"
+        assert self.nk1 % (4 * 8) == 0 and self.nk1 <= 64, "4-8 sets of 8 accumulator columns"
+        assert self.nk2 <= 8, "GEMM2 K blocks are columns of an N=8 tile"
+        assert spec.experts % 32 == 0
+        self.rows2 = hidden // self.cluster  # GEMM2 rows per CTA
+        self.tiles2 = self.rows2 // TILE
+        assert self.tiles2 * TILE == self.rows2
+        self.loads = self.nk1 + self.tiles2 * self.nk2
+        # Shared memory (offsets from the 1024-aligned dynamic base).
+        self.off_b1 = self.stages * STAGE_BYTES
+        self.off_b2 = self.off_b1 + B1_TILES * B_BYTES
+        self.off_gate = self.off_b2 + self.nk2 * B_BYTES
+        self.off_stage = self.off_gate + TILE * 4
+        self.off_amax = self.off_stage + TILE
+        self.off_hscale = self.off_amax + 16
+        self.off_xscale = self.off_hscale + 4 * self.nk2
+        self.off_bar = -(-(self.off_xscale + 4 * self.nk1) // 8) * 8
+        # full[stages], empty[stages], gate (gate values in), hrecv (hidden in)
+        self.bars = 2 * self.stages + 2
+        self.smem = self.off_bar + 8 * self.bars
+
+    # -- host ----------------------------------------------------------------------------
+
+    def launch_shape(self) -> LaunchShape:
+        return LaunchShape(
+            grid=(self.cluster * self.routes, 1, 1), block=(THREADS, 1, 1),
+            cluster=(self.cluster, 1, 1), smem=self.smem, pdl=True,
+        )  # fmt: skip
+
+    @cute.jit
+    def __call__(self, maps: cute.Tensor, w13_scale: cute.Tensor, w2_scale: cute.Tensor,
+                 x: cute.Tensor, logits: cute.Tensor, bias: cute.Tensor, rows1: cute.Tensor,
+                 rows2: cute.Tensor, out: cute.Tensor, ids: cute.Tensor, weights: cute.Tensor,
+                 stream):  # fmt: skip
+        self.kernel.set_name_prefix(ENTRY, remove_cutlass_symbol=True, keep_mangled_name=False)
+        self.kernel(
+            maps, w13_scale, w2_scale, x, logits, bias, rows1, rows2, out, ids, weights
+        ).launch(
+            grid=(self.cluster * self.routes, 1, 1),
+            block=(THREADS, 1, 1),
+            cluster=(self.cluster, 1, 1),
+            smem=self.smem,
+            stream=stream,
+            use_pdl=True,
+            min_blocks_per_mp=self.ctas_per_sm,
+            # Only to keep the compile off the GPU (the DSL asks the device for
+            # its smem size otherwise); the runtime launches from the manifest.
+            preferred_smem_carveout=100,
+        )
+
+    # -- device --------------------------------------------------------------------------
+
+    @cute.kernel
+    def kernel(self, maps: cute.Tensor, w13_scale: cute.Tensor, w2_scale: cute.Tensor,
+               x: cute.Tensor, logits: cute.Tensor, bias: cute.Tensor, rows1: cute.Tensor,
+               rows2: cute.Tensor, out: cute.Tensor, ids: cute.Tensor,
+               weights: cute.Tensor):  # fmt: skip
+        tid, _, _ = cute.arch.thread_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = cute.arch.lane_idx()
+        cta, _, _ = cute.arch.block_idx()
+        rank = cute.arch.make_warp_uniform(ptx.cluster_ctarank())
+        route = cta // self.cluster
+        stages = self.stages
+
+        base = cute.arch.get_dyn_smem(cutlass.Uint8, alignment=1024).toint()
+        bar = base + self.off_bar
+        full = bar
+        empty = bar + 8 * stages
+        gate_in = bar + 16 * stages
+        hrecv = gate_in + 8
+        map1 = maps.iterator.toint()
+        map2 = map1 + 128
+
+        if tid == 0:
+            for s in cutlass.range_constexpr(stages):
+                ptx.mbarrier_init(full + 8 * s, 1)
+                ptx.mbarrier_init(empty + 8 * s, MMA_THREADS // 32)
+            ptx.mbarrier_init(gate_in, 1)
+            ptx.mbarrier_init(hrecv, 1)
+            if rank < self.nk2:
+                ptx.mbarrier_arrive_expect_tx(gate_in, TILE * 4)
+            # Every up tile's FP8 hidden block and its scale.
+            ptx.mbarrier_arrive_expect_tx(hrecv, self.nk2 * (TILE + 4))
+            ptx.fence_mbarrier_init()
+        if warp == PRODUCER_WARP:
+            if lane == 0:
+                ptx.tensormap_fence_acquire(map1)
+                ptx.tensormap_fence_acquire(map2)
+                ptx.prefetch_tensormap(map1)
+                ptx.prefetch_tensormap(map2)
+        # The B tiles are zeros but for one row each. GEMM2's token rows
+        # (row kb of tile kb) are written by other CTAs: leave them alone, so
+        # that no ordering against them is needed (a relaxed cluster arrive).
+        zero = Uint32(0)
+        chunks1 = B1_TILES * B_BYTES // 16
+        for i in cutlass.range_constexpr(-(-chunks1 // THREADS)):
+            c = i * THREADS + tid
+            if c < chunks1:
+                ptx.st_shared_v4_u32(base + self.off_b1 + c * 16, zero, zero, zero, zero)
+        chunks2 = self.nk2 * B_BYTES // 16
+        for i in cutlass.range_constexpr(-(-chunks2 // THREADS)):
+            c = i * THREADS + tid
+            if c < chunks2:
+                if (c % 64) // 8 != c // 64:
+                    ptx.st_shared_v4_u32(base + self.off_b2 + c * 16, zero, zero, zero, zero)
+        ptx.cluster_arrive_relaxed()
+        cute.arch.sync_threads()
+
+        # No early launch_dependents: a dependent grid may read `weights`.
+        ptx.griddepcontrol_wait()
+        token = route // self.top_k
+        k = route % self.top_k
+        dsize = 2 if self.logits_bf16 else 4
+        row_logits = logits.iterator.toint() + Int64(token) * (self.experts * dsize)
+        if warp == PRODUCER_WARP:
+            # The first load waits on this: stop selecting after round k.
+            expert = route_pick(row_logits, bias.iterator.toint(), lane, k, self.experts,
+                                self.top_k, self.logits_bf16)  # fmt: skip
+            if lane == 0:
+                self.produce(base, full, empty, map1, map2, expert, rank)
+            ptx.cluster_wait()
+        else:
+            ident, weight = route_token(
+                row_logits, bias.iterator.toint(), lane, self.experts, self.top_k, self.scale,
+                self.logits_bf16,
+            )  # fmt: skip
+            expert = cute.arch.shuffle_sync(ident, k)
+            if rank == 0:
+                if warp == 0:
+                    if lane == k:
+                        ptx.st_global_u32(ids.iterator.toint() + Int64(route) * 4, Uint32(ident))
+                        ptx.st_global_f32(weights.iterator.toint() + Int64(route) * 4, weight)
+            self.consume(
+                base, full, empty, gate_in, hrecv, tid, lane, rank, route, token, expert,
+                w13_scale, w2_scale, x, rows1, rows2, out,
+            )  # fmt: skip
+
+    @cute.jit
+    def produce(self, base, full, empty, map1, map2, expert, rank):
+        """TMA producer (one lane): the CTA's GEMM1 stages (its row tile, K
+        blocks in order), then its GEMM2 stages (row tile t, K block kb)."""
+        stages = self.stages
+        policy = ptx.create_policy_evict_first()
+        for n in cutlass.range_constexpr(self.loads):
+            slot = n % stages
+            if cutlass.const_expr(self.prefetch == "late" and n == self.nk1):
+                # GEMM2 boxes the ring cannot hold when GEMM1 ends: into L2 now.
+                for m in cutlass.range_constexpr(min(stages, self.loads - self.nk1),
+                                                 self.loads - self.nk1):  # fmt: skip
+                    ptx.tma_prefetch_3d(
+                        map2, 0, rank * self.rows2 + (m // self.nk2) * TILE,
+                        expert * self.nk2 + m % self.nk2,
+                    )  # fmt: skip
+            if cutlass.const_expr(n >= stages):
+                ptx.mbarrier_wait(empty + 8 * slot, (n // stages - 1) % 2)
+            ptx.mbarrier_arrive_expect_tx(full + 8 * slot, STAGE_BYTES)
+            dst = base + slot * STAGE_BYTES
+            if cutlass.const_expr(n < self.nk1):
+                ptx.tma_load_3d_hint(dst, map1, full + 8 * slot, 0, rank * TILE,
+                                     expert * self.nk1 + n, policy)  # fmt: skip
+            else:
+                m = n - self.nk1
+                ptx.tma_load_3d_hint(
+                    dst, map2, full + 8 * slot, 0, rank * self.rows2 + (m // self.nk2) * TILE,
+                    expert * self.nk2 + m % self.nk2, policy,
+                )  # fmt: skip
+
+    @cute.jit
+    def consume(self, base, full, empty, gate_in, hrecv, tid, lane, rank, route, token, expert,
+                w13_scale, w2_scale, x, rows1, rows2, out):  # fmt: skip
+        """The MMA warpgroup: quantize the token, GEMM1, the DSMEM exchange
+        (gate values to the up CTA, hidden broadcast), GEMM2 and the output
+        rows."""
+        stages, nk1, nk2, tiles2 = self.stages, self.nk1, self.nk2, self.tiles2
+        sets = nk1 // 8
+        quad = lane % 4
+        r0 = (tid // 32) * 16 + lane // 4  # fragment row of this thread (and r0 + 8)
+        # The one row of 128 this thread owns after the quad reduction.
+        row = (quad // 2) * 64 + r0 + (quad % 2) * 8
+
+        # Thread t quantizes 16-value chunk t % 8 of K blocks t // 8 + 16 j (FP8
+        # per 128) and keeps the codes for the B tile refills.
+        per = nk1 // 16
+        chunk = tid % 8
+        codes = cute.make_rmem_tensor(cute.make_layout((4 * per,)), Uint32)
+        for j in cutlass.range_constexpr(per):
+            kb = tid // 8 + 16 * j
+            values = cute.make_rmem_tensor(cute.make_layout((16,)), Float32)
+            _load_bf16x16(x.iterator.toint() + (Int64(token) * self.hidden + kb * TILE
+                                                + chunk * 16) * 2, values)  # fmt: skip
+            words, sx = quantize_activations(values, 8, self.ue8m0)
+            for w in cutlass.range_constexpr(4):
+                codes[4 * j + w] = words[w]
+            if chunk == 0:
+                ptx.st_shared_f32(base + self.off_xscale + kb * 4, sx)
+        # K blocks 0..7 into B tiles 0..7.
+        if tid < 8 * B1_TILES:
+            self.fill_b1(base, tid // 8, chunk, codes, 0)
+
+        # Epilogue inputs, loaded while the first stages stream in. Column c of
+        # accumulator set s is K block 8 s + c; this thread holds c = 2q, 2q+1.
+        s13 = w13_scale.iterator.toint() + (Int64(expert) * self.cluster + rank) * nk1 * 4
+        w1s = cute.make_rmem_tensor(cute.make_layout((2 * sets,)), Float32)
+        for j in cutlass.range_constexpr(2 * sets):
+            w1s[j] = ptx.ld_global_nc_f32(s13 + ((j // 2) * 8 + 2 * quad + j % 2) * 4)
+        local = logical_row(rows1.iterator.toint(), rank * TILE + row) - rank * TILE
+        s2 = w2_scale.iterator.toint() + (
+            (Int64(expert) * (self.hidden // TILE) + rank * tiles2) * nk2) * 4  # fmt: skip
+        w2s = cute.make_rmem_tensor(cute.make_layout((2 * tiles2,)), Float32)
+        for t in cutlass.range_constexpr(tiles2):
+            for c in cutlass.range_constexpr(2):
+                col = cutlass.min(2 * quad + c, nk2 - 1)
+                w2s[2 * t + c] = ptx.ld_global_nc_f32(s2 + (t * nk2 + col) * 4)
+        out_rows = cute.make_rmem_tensor(cute.make_layout((tiles2,)), Int32)
+        for t in cutlass.range_constexpr(tiles2):
+            out_rows[t] = logical_row(rows2.iterator.toint(), rank * self.rows2 + t * TILE + row)
+        ptx.fence_proxy_async_shared()
+        ptx.bar_sync(WG_BARRIER, MMA_THREADS)
+
+        # GEMM1: K blocks back to back; set kb // 8, column kb % 8.
+        zero = Float32(0.0)
+        acc1 = [[[zero] * 4 for _ in range(2)] for _ in range(sets)]  # [set][row half]
+        for n in cutlass.range_constexpr(nk1):
+            slot = n % stages
+            ptx.mbarrier_wait(full + 8 * slot, (n // stages) % 2)
+            adesc = wgmma.smem_desc_sw128(base + slot * STAGE_BYTES)
+            bdesc = wgmma.smem_desc_sw128(base + self.off_b1 + (n % B1_TILES) * B_BYTES)
+            wgmma.wgmma_fence()
+            for h in cutlass.range_constexpr(2):
+                for kk in cutlass.range_constexpr(4):
+                    acc1[n // 8][h] = wgmma.wgmma_e4m3(
+                        acc1[n // 8][h],
+                        adesc + (h * 64 * TILE >> 4) + kk * wgmma.DESC_K32,
+                        bdesc + kk * wgmma.DESC_K32,
+                        not (n % 8 == 0 and kk == 0),
+                    )  # fmt: skip
+            wgmma.wgmma_commit()
+            if cutlass.const_expr(n > 0):
+                self.release(empty, (n - 1) % stages, lane, 1)
+            if cutlass.const_expr(n % REFILL == 0 and n > 0 and n - REFILL + B1_TILES < nk1):
+                # MMAs up to n - 1 have retired: their B tiles take K blocks
+                # n + 4 .. n + 7 (needed from iteration n + 4 on).
+                first = n - REFILL + B1_TILES
+                if tid // 8 >= first % 16:
+                    if tid // 8 < first % 16 + REFILL:
+                        self.fill_b1(
+                            base, first + (tid // 8 - first % 16), chunk, codes, first // 16
+                        )
+                ptx.fence_proxy_async_shared()
+                ptx.bar_sync(WG_BARRIER, MMA_THREADS)
+        self.release(empty, (nk1 - 1) % stages, lane, 0)
+        for s in cutlass.range_constexpr(sets):
+            for h in cutlass.range_constexpr(2):
+                acc1[s][h] = wgmma.fence_operands(acc1[s][h])
+
+        # Scale and sum the columns of each row; quad lanes share a row.
+        for j in cutlass.range_constexpr(2 * sets):
+            w1s[j] = w1s[j] * ptx.ld_shared_f32(
+                base + self.off_xscale + ((j // 2) * 8 + 2 * quad + j % 2) * 4
+            )
+        sums = cute.make_rmem_tensor(cute.make_layout((4,)), Float32)
+        for h in cutlass.range_constexpr(2):
+            for r in cutlass.range_constexpr(2):
+                v = Float32(0.0)
+                for s in cutlass.range_constexpr(sets):
+                    for c in cutlass.range_constexpr(2):
+                        v = v + acc1[s][h][2 * r + c] * w1s[2 * s + c]
+                sums[2 * h + r] = v
+        acc = _quad_pick(sums, quad)
+
+        ptx.cluster_wait()
+        if rank >= nk2:
+            # Gate tile: hand the gate values to the matching up tile.
+            peer = rank - nk2
+            ptx.st_async_b32(
+                ptx.mapa(base + self.off_gate + local * 4, peer), ptx.float_bits(acc),
+                ptx.mapa(gate_in, peer),
+            )  # fmt: skip
+        else:
+            ptx.mbarrier_wait_cluster(gate_in, 0)
+            self.hidden_block(base, acc, local, tid, lane, rank, hrecv)
+
+        # GEMM2: this CTA's rows; hidden block kb is B column kb.
+        ptx.mbarrier_wait_cluster(hrecv, 0)
+        ptx.fence_proxy_async_shared()
+        hs = cute.make_rmem_tensor(cute.make_layout((2,)), Float32)
+        for c in cutlass.range_constexpr(2):
+            col = 2 * quad + c
+            hs[c] = ptx.ld_shared_f32(base + self.off_hscale + cutlass.min(col, nk2 - 1) * 4)
+            if col >= nk2:
+                hs[c] = Float32(0.0)
+        acc2 = [[[zero] * 4 for _ in range(2)] for _ in range(tiles2)]  # [tile][half]
+        for m in cutlass.range_constexpr(tiles2 * nk2):
+            n = nk1 + m
+            slot = n % stages
+            t, kb2 = m // nk2, m % nk2
+            ptx.mbarrier_wait(full + 8 * slot, (n // stages) % 2)
+            adesc = wgmma.smem_desc_sw128(base + slot * STAGE_BYTES)
+            bdesc = wgmma.smem_desc_sw128(base + self.off_b2 + kb2 * B_BYTES)
+            wgmma.wgmma_fence()
+            for h in cutlass.range_constexpr(2):
+                for kk in cutlass.range_constexpr(4):
+                    acc2[t][h] = wgmma.wgmma_e4m3(
+                        acc2[t][h],
+                        adesc + (h * 64 * TILE >> 4) + kk * wgmma.DESC_K32,
+                        bdesc + kk * wgmma.DESC_K32,
+                        not (kb2 == 0 and kk == 0),
+                    )  # fmt: skip
+            wgmma.wgmma_commit()
+            if cutlass.const_expr(m > 0):
+                self.release(empty, (n - 1) % stages, lane, 1)
+        wgmma.wgmma_wait(0)
+        for t in cutlass.range_constexpr(tiles2):
+            for h in cutlass.range_constexpr(2):
+                acc2[t][h] = wgmma.fence_operands(acc2[t][h])
+        # (the last stages need no release: nothing loads after them)
+
+        out_base = out.iterator.toint() + Int64(route) * (self.hidden * 2)
+        for t in cutlass.range_constexpr(tiles2):
+            sums2 = cute.make_rmem_tensor(cute.make_layout((4,)), Float32)
+            for h in cutlass.range_constexpr(2):
+                for r in cutlass.range_constexpr(2):
+                    v = Float32(0.0)
+                    for c in cutlass.range_constexpr(2):
+                        v = v + acc2[t][h][2 * r + c] * (w2s[2 * t + c] * hs[c])
+                    sums2[2 * h + r] = v
+            value = _quad_pick(sums2, quad)
+            ptx.st_global_u16(out_base + Int64(out_rows[t]) * 2, ptx.cvt_bf16(value))
+
+    @cute.jit
+    def fill_b1(self, base, kb, chunk, codes, j: cutlass.Constexpr[int]):
+        """Writes 16-byte chunk ``chunk`` of the token's K block ``kb`` (codes
+        ``4 j .. 4 j + 3`` of this thread) into row kb % 8 of B tile kb % 8
+        (128B swizzle: chunk c of row r at c ^ r)."""
+        b = kb % B1_TILES
+        ptx.st_shared_v4_u32(
+            base + self.off_b1 + b * B_BYTES + b * TILE + ((chunk ^ b) * 16),
+            codes[4 * j], codes[4 * j + 1], codes[4 * j + 2], codes[4 * j + 3],
+        )  # fmt: skip
+
+    @cute.jit
+    def release(self, empty, slot: cutlass.Constexpr[int], lane, pending: cutlass.Constexpr[int]):
+        """Waits until at most ``pending`` wgmma groups are in flight, then
+        frees weight stage ``slot`` (one arrival per warp)."""
+        wgmma.wgmma_wait(pending)
+        if lane == 0:
+            ptx.mbarrier_arrive(empty + 8 * slot)
+
+    @cute.jit
+    def hidden_block(self, base, up, local, tid, lane, rank, hrecv):
+        """Clamped SwiGLU of this up tile's 128 values (logical order), FP8 per
+        128 (scale amax / 448), sent as hidden K block ``rank`` (row ``rank``
+        of GEMM2 B tile ``rank``) with its scale to every CTA of the cluster."""
+        gate = ptx.ld_shared_f32(base + self.off_gate + local * 4)
+        act = swiglu(gate, up, self.limit)
+        amax = ptx.fmax_abs(Float32(0.0), act)
+        for i in cutlass.range_constexpr(5):
+            amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=1 << i, mask=-1))
+        if lane == 0:
+            ptx.st_shared_f32(base + self.off_amax + (tid // 32) * 4, amax)
+        ptx.bar_sync(WG_BARRIER, MMA_THREADS)
+        amax = cute.arch.fmax(
+            cute.arch.fmax(ptx.ld_shared_f32(base + self.off_amax),
+                           ptx.ld_shared_f32(base + self.off_amax + 4)),
+            cute.arch.fmax(ptx.ld_shared_f32(base + self.off_amax + 8),
+                           ptx.ld_shared_f32(base + self.off_amax + 12)),
+        )  # fmt: skip
+        scale = hidden_scale(amax)
+        ptx.st_shared_u8(base + self.off_stage + local, fp8_code(act, scale))
+        ptx.bar_sync(WG_BARRIER, MMA_THREADS)
+        # Thread e < 8 * cluster sends 16-byte chunk e % 8 to CTA e // 8.
+        if tid < 8 * self.cluster:
+            peer = tid // 8
+            chunk = tid % 8
+            w = ptx.ld_shared_v4_u32(base + self.off_stage + chunk * 16)
+            dst = base + self.off_b2 + rank * B_BYTES + rank * TILE + ((chunk ^ rank) * 16)
+            remote_bar = ptx.mapa(hrecv, peer)
+            ptx.st_async_v4_b32(ptx.mapa(dst, peer), w[0], w[1], w[2], w[3], remote_bar)
+            if chunk == 0:
+                ptx.st_async_b32(
+                    ptx.mapa(base + self.off_hscale + rank * 4, peer), ptx.float_bits(scale),
+                    remote_bar,
+                )  # fmt: skip
+
+
+def _load_bf16x16(addr: Int64, values) -> None:
+    """Sixteen BF16 at 32-byte aligned ``addr`` into ``values`` as FP32."""
+    for half in range(2):
+        words = ptx.ld_global_nc_v4_u32(addr + half * 16)
+        for w in range(4):
+            values[half * 8 + 2 * w] = ptx.bf16_low(words[w])
+            values[half * 8 + 2 * w + 1] = ptx.bf16_high(words[w])
+
+
+@cute.jit
+def _quad_pick(sums, quad):
+    """Sums each of 4 values over the 4 lanes of a quad and returns value
+    ``quad`` (lane q of a quad owns row q of the quad's 4 rows)."""
+    for j in cutlass.range_constexpr(4):
+        v = sums[j]
+        v = v + cute.arch.shuffle_sync_bfly(v, offset=1, mask=-1)
+        v = v + cute.arch.shuffle_sync_bfly(v, offset=2, mask=-1)
+        sums[j] = v
+    mine = sums[0]
+    for j in cutlass.range_constexpr(1, 4):
+        if quad == j:
+            mine = sums[j]
+    return mine
+
+
+# -- build ------------------------------------------------------------------------------------
+
+
+def compile_kernel(spec: KernelSpec, **options) -> CompiledKernel:
+    """Compiles one mega variant for sm_90a (no GPU needed); ``CUTE_DSL_ARCH``
+    must have been sm_90a when cutlass was first imported. ``options``
+    (stages, ctas_per_sm, prefetch) override the tuned defaults."""
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+
+    assert spec.kernel == "mega" and spec.arch == "sm_90a", spec
+    assert os.environ.get("CUTE_DSL_ARCH") == "sm_90a", "compile in an sm_90a process"
+    kernel = MegaMoeSm90(spec, **options)
+    e, h, i, m, k = spec.experts, spec.hidden, spec.inter, spec.tokens, spec.top_k
+    logits_dtype = cutlass.BFloat16 if spec.logits_dtype == "bfloat16" else Float32
+
+    def fake(dtype, *shape, align=16):
+        return make_fake_compact_tensor(dtype, shape, assumed_align=align)
+
+    args = (
+        fake(cutlass.Uint8, 2 * 128, align=64),  # maps
+        fake(Float32, e, 2 * i // TILE, h // TILE),  # w13_scale
+        fake(Float32, e, h // TILE, i // TILE),  # w2_scale
+        fake(cutlass.BFloat16, m, h),  # x
+        fake(logits_dtype, m, e),  # logits
+        fake(Float32, e),  # bias
+        fake(Int32, 2 * i),  # rows1
+        fake(Int32, h),  # rows2
+        fake(cutlass.BFloat16, m * k, h),  # out
+        fake(Int32, m * k),  # ids
+        fake(Float32, m * k),  # weights
+    )
+    compiled = cute.compile(kernel, *args, make_fake_stream())
+    cubin = compiled.artifacts.CUBIN
+    if cubin is None:
+        raise RuntimeError("no cubin: set CUTE_DSL_KEEP=ptx,cubin before importing cutlass")
+    return CompiledKernel(
+        cubin=bytes(cubin),
+        entry=f"{ENTRY}_0",
+        params=tuple(Param(name, "pointer") for name in PARAMS),
+        launch=kernel.launch_shape(),
+        tensor_maps=("w13", "w2"),
+        ptx=compiled.artifacts.PTX,
+        notes={
+            "stages": kernel.stages,
+            "stage_bytes": STAGE_BYTES,
+            "ctas_per_sm": kernel.ctas_per_sm,
+            "prefetch": kernel.prefetch,
+            "threads": THREADS,
+            "cluster": kernel.cluster,
+            "smem_layout": {
+                "b1": kernel.off_b1,
+                "b2": kernel.off_b2,
+                "gate": kernel.off_gate,
+                "stage": kernel.off_stage,
+                "bars": kernel.off_bar,
+            },  # fmt: skip
+        },
+    )
