@@ -1,0 +1,161 @@
+"""The sm_90a mega kernel built by the DSL compiler (marked ``compile``): three
+glm5 mega variants (both ends of the buckets, both logits dtypes, UE8M0 on
+and off) compiled in a fresh sm_90a process, their records checked against
+the mega ABI and their SASS read back: FP8 wgmma (QGMMA), TMA loads, no
+local memory, registers and shared memory that fit the CTAs per SM the
+variant was tuned for.
+
+What the kernel computes is checked on the H200 (``test_mega_sm90_gpu.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+from kernels.spec import PARAMETER_NAMES, KernelSpec
+
+REPO = Path(__file__).resolve().parents[1]
+ENTRY = "moe_mega_sm90_0"
+MEGA_PARAMS = ("maps", "w13_scale", "w2_scale", "x", "logits", "bias", "rows1", "rows2", "out",
+               "ids", "weights")  # fmt: skip
+THREADS = 160  # MMA warpgroup + producer warp
+CLUSTER = 8  # 2 * inter / 128 CTAs per route
+# H200 (sm_90) per-SM resources the tuned CTAs-per-SM must fit in.
+REGISTERS_PER_SM = 65536
+SMEM_PER_SM = 228 * 1024
+
+
+def spec(tokens, dtype="float32", ue8m0=False) -> KernelSpec:
+    return KernelSpec("mega", "sm_90a", 4096, 512, 288, 8, 2.5, 10.0, ue8m0, tokens, dtype,
+                      False, 132)  # fmt: skip
+
+
+SPECS = [spec(1), spec(2, "bfloat16", ue8m0=True), spec(4, "float32", ue8m0=True)]
+
+_COMPILE = r"""
+import json, sys, time
+from pathlib import Path
+from kernels.registry import prepare_process
+prepare_process("sm_90a")
+from kernels.registry import compile_variant
+from kernels.spec import KernelSpec
+
+out = Path(sys.argv[1])
+records = []
+for i, fields in enumerate(json.loads(sys.argv[2])):
+    start = time.perf_counter()
+    ck = compile_variant(KernelSpec(**fields))
+    (out / f"{i}.cubin").write_bytes(ck.cubin)
+    (out / f"{i}.ptx").write_text(ck.ptx or "")
+    records.append({
+        "seconds": round(time.perf_counter() - start, 2), "entry": ck.entry,
+        "params": [[p.name, p.kind] for p in ck.params], "grid": ck.launch.grid,
+        "block": ck.launch.block, "cluster": ck.launch.cluster, "smem": ck.launch.smem,
+        "pdl": ck.launch.pdl, "maps": ck.tensor_maps,
+        "workspace": [[w.name, w.bytes, w.zero] for w in ck.workspace], "notes": ck.notes,
+    })
+(out / "records.json").write_text(json.dumps(records))
+"""
+
+
+def cuobjdump() -> str:
+    found = sorted(Path(sys.prefix).rglob("cuobjdump"))
+    found = [p for p in found if p.is_file() and os.access(p, os.X_OK)]
+    if not found:
+        pytest.skip("cuobjdump (nvidia-cuda-cuobjdump wheel) is not installed")
+    return str(found[0])
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """Compiles SPECS in a fresh process started for sm_90a (CUTE_DSL_ARCH is
+    read when cutlass is first imported; cwd a temporary directory so that
+    nothing the DSL dumps lands in the repository)."""
+    out = tmp_path_factory.mktemp("mega90")
+    env = {**os.environ, "CUTE_DSL_ARCH": "sm_90a", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(
+        [sys.executable, "-c", _COMPILE, str(out), json.dumps([asdict(s) for s in SPECS])],
+        cwd=out, env=env, capture_output=True, text=True, timeout=1800,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return out, json.loads((out / "records.json").read_text())
+
+
+def sass_counts(tool: str, cubin: Path) -> dict[str, int]:
+    sass = subprocess.run([tool, "--dump-sass", str(cubin)], capture_output=True, text=True,
+                          check=True).stdout  # fmt: skip
+    counts: dict[str, int] = {}
+    for op in re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)", sass):
+        counts[op] = counts.get(op, 0) + 1
+    return counts
+
+
+def resources(tool: str, cubin: Path) -> dict[str, int]:
+    text = subprocess.run([tool, "--dump-resource-usage", str(cubin)], capture_output=True,
+                          text=True, check=True).stdout  # fmt: skip
+    return {k: int(v) for k, v in re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", text)}
+
+
+def count(counts: dict[str, int], prefix: str) -> int:
+    return sum(n for op, n in counts.items() if op == prefix or op.startswith(prefix + "."))
+
+
+@pytest.mark.compile
+def test_variants_build_into_wgmma_tma_and_no_local_memory(built):
+    tool = cuobjdump()
+    out, records = built
+    for i, (s, r) in enumerate(zip(SPECS, records, strict=True)):
+        cubin = out / f"{i}.cubin"
+        ops, res = sass_counts(tool, cubin), resources(tool, cubin)
+        notes = r["notes"]
+        print(f"m{s.tokens} {s.logits_dtype} ue8m0={s.ue8m0}: {r['seconds']} s, REG "
+              f"{res['REG']}, smem {r['smem']}, stages {notes['stages']} at "
+              f"{notes['ctas_per_sm']} CTA/SM, QGMMA {count(ops, 'QGMMA')}")  # fmt: skip
+        # Every CTA streams its GEMM1 row tile over all K blocks, then its
+        # GEMM2 rows: one TMA box per stage, fully unrolled.
+        loads = s.hidden // 128 + (s.hidden // CLUSTER // 128) * (s.inter // 128)
+        assert ops.get("UTMALDG.3D", 0) == loads, ops
+        # Per stage: two m64 row halves x four k32 steps of m64n8k32 FP8 wgmma.
+        assert ops.get("QGMMA.64x8x32.F32.E4M3.E4M3", 0) == loads * 2 * 4, ops
+        assert count(ops, "QGMMA") == loads * 2 * 4, ops
+        assert count(ops, "WARPGROUP.DEPBAR") == loads, ops  # one wait_group per stage
+        assert count(ops, "REDUX") >= 2, ops  # warp routing (redux.sync)
+        assert count(ops, "STAS") >= 1, ops  # st.async into peer CTAs
+        assert "LDL" not in ops and "STL" not in ops, ops
+        assert res["LOCAL"] == 0 and res["STACK"] == 0, res
+        # The CTAs per SM the ring depth was chosen for fit.
+        per_sm = notes["ctas_per_sm"]
+        assert res["REG"] * THREADS * per_sm <= REGISTERS_PER_SM, res
+        assert (r["smem"] + res["SHARED"]) * per_sm <= SMEM_PER_SM, (r["smem"], res)
+
+
+@pytest.mark.compile
+def test_launch_records_match_the_mega_abi(built):
+    out, records = built
+    for i, (s, r) in enumerate(zip(SPECS, records, strict=True)):
+        assert r["entry"] == ENTRY
+        assert [p for p, _ in r["params"]] == list(MEGA_PARAMS)
+        assert all(kind == "pointer" and p in PARAMETER_NAMES for p, kind in r["params"])
+        assert r["grid"] == [CLUSTER * s.tokens * s.top_k, 1, 1]
+        assert r["block"] == [THREADS, 1, 1] and r["cluster"] == [CLUSTER, 1, 1]
+        assert r["pdl"] is True and r["maps"] == ["w13", "w2"] and r["workspace"] == []
+        assert r["smem"] >= r["notes"]["stages"] * 128 * 128
+        # Every parameter is one 8-byte pointer in the PTX entry, and the
+        # kernel waits on the previous grid (PDL) before reading inputs.
+        ptx = (out / f"{i}.ptx").read_text()
+        entry = ptx[ptx.index(f".entry {ENTRY}(") :]
+        body = entry
+        entry = entry[: entry.index(")")]
+        params = re.findall(rf"\.param ([^\n]*?){ENTRY}_param_\d+(\[\d+\])?", entry)
+        assert len(params) == len(MEGA_PARAMS)
+        assert all(size == "[8]" or ".u64" in decl for decl, size in params), params
+        wait = body.index("griddepcontrol.wait")
+        assert all(body.index(load) > wait for load in ("ld.global.nc", "cp.async.bulk.tensor"))

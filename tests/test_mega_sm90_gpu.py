@@ -1,0 +1,161 @@
+"""The sm_90a mega kernel on the GPU, through the runtime, against
+``runtime.reference``.
+
+Artifacts under test: ``$MOE_MEGA_ARTIFACTS`` (paths joined by ``os.pathsep``;
+e.g. one built with ``ue8m0: false`` and one with ``ue8m0: true``), else
+``$MOE_BUILD_ARTIFACT``; build them with
+``moe-build compile CONFIG --arch sm_90a --kernel mega -o DIR``.
+
+Every mega bucket and logits dtype of each artifact, fresh random inputs each
+call, outputs NaN-poisoned before every launch (``bind(poison=True)``):
+  * ids: exactly the reference's, except tokens whose top_k + 1 best keys are
+    within ``TIE`` of each other (the kernel's sigmoid is a few ulp off
+    torch's): those are counted and reported, and the kernel's own choice is
+    then what the outputs are compared on;
+  * weights: relative 1e-5 against the reference's weights of those ids;
+  * out: relative L2 error <= ``TOL`` against the float64 reference on the
+    kernel's ids (measured on the H200: 2-6e-3 overall, 2e-2 for the worst
+    single route; what remains after both FP8 quantizations agree bit for bit
+    is accumulation order, the tensor cores' FP8 accumulation (about 1.3e-4
+    per GEMM1 row) and the hidden FP8 codes it flips). Max-abs error and the
+    error against the float32 reference are reported too.
+Calls of different buckets back to back must not disturb each other.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+TOL = 1e-2  # relative L2 error of out against the float64 reference
+TIE = 1e-6  # keys closer than this may be ordered differently
+TRIALS = 3  # calls per variant, fresh inputs each
+
+
+def _paths():
+    joined = os.environ.get("MOE_MEGA_ARTIFACTS") or os.environ.get("MOE_BUILD_ARTIFACT")
+    return [Path(p) for p in joined.split(os.pathsep)] if joined else []
+
+
+@pytest.fixture(scope="module", params=_paths() or [None], ids=lambda p: p.name if p else "none")
+def bound(request):
+    """(artifact, layer, (prepared, routed, shared)) of one artifact."""
+    torch = pytest.importorskip("torch")
+    if request.param is None:
+        pytest.skip("set MOE_MEGA_ARTIFACTS or MOE_BUILD_ARTIFACT")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    if not request.param.exists():
+        pytest.skip(f"{request.param} does not exist")
+    import runtime
+    from runtime.layout import random_moe_weights
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    artifact = runtime.load(request.param, device)
+    if not _variants(artifact):
+        pytest.skip(f"{request.param} holds no sm_90a mega variant")
+    gen = torch.Generator(device).manual_seed(torch.seed() % 2**31)
+    weights = random_moe_weights(artifact.shape, gen)
+    return artifact, artifact.bind(weights[0], poison=True), weights
+
+
+def _variants(artifact):
+    return sorted(
+        (v for v in artifact.variants if v.kernel == "mega" and v.arch == "sm_90a"),
+        key=lambda v: (v.tokens, v.logits_dtype),
+    )
+
+
+def _inputs(shape, m, dtype, gen):
+    import torch
+
+    dev = gen.device
+    x = torch.randn(m, shape.hidden, device=dev, generator=gen).to(torch.bfloat16)
+    logits = torch.randn(m, shape.experts, device=dev, generator=gen) * 2
+    bias = torch.randn(shape.experts, device=dev, generator=gen) * 0.1
+    return x, logits.to(getattr(torch, dtype)), bias
+
+
+def _rel_l2(got, want) -> float:
+    return ((got.double() - want.double()).norm() / want.double().norm()).item()
+
+
+def _check_call(artifact, layer, weights, v, gen) -> dict:
+    """One call of variant ``v`` with fresh inputs: its error figures."""
+    import torch
+
+    from runtime.reference import moe_reference, route, tie_margin
+
+    shape = artifact.shape
+    x, logits, bias = _inputs(shape, v.tokens, v.logits_dtype, gen)
+    out, ids, w = layer.mega(x, logits, bias)
+    torch.cuda.synchronize()
+    assert out.shape == (v.tokens * shape.top_k, shape.hidden) and ids.shape == w.shape
+    assert not out.isnan().any() and not w.isnan().any(), f"{v.name}: unwritten outputs"
+    assert bool(((ids >= 0) & (ids < shape.experts)).all()), f"{v.name}: ids {ids.tolist()}"
+
+    ref_ids, _ = route(logits, bias, shape.top_k, shape.routed_scale)
+    close = tie_margin(logits, bias, shape.top_k) < TIE
+    same = (ids == ref_ids).all(dim=1)
+    assert bool((same | close).all()), f"{v.name}: routing differs on {(~same & ~close).nonzero()}"
+
+    ref64 = moe_reference(x, logits, bias, weights[1], None, shape, torch.float64, ids=ids)
+    ref32 = moe_reference(x, logits, bias, weights[1], None, shape, torch.float32, ids=ids)
+    torch.testing.assert_close(w, ref64.weights, rtol=1e-5, atol=1e-7)
+    routes = (out.double() - ref64.out).norm(dim=1) / ref64.out.norm(dim=1)
+    return {
+        "rel64": _rel_l2(out, ref64.out),
+        "worst_route": routes.max().item(),
+        "maxabs64": (out.double() - ref64.out).abs().max().item(),
+        "rel32": _rel_l2(out, ref32.out),
+        "maxabs32": (out.double() - ref32.out.double()).abs().max().item(),
+        "near_ties": int((~same).sum()),
+    }
+
+
+def test_every_bucket_matches_reference(bound):
+    import torch
+
+    artifact, layer, weights = bound
+    gen = torch.Generator("cuda").manual_seed(torch.seed() % 2**31)
+    worst, ties = {}, 0
+    for v in _variants(artifact):
+        for _ in range(TRIALS):
+            e = _check_call(artifact, layer, weights, v, gen)
+            ties += e["near_ties"]
+            if e["rel64"] > worst.get(v.name, {"rel64": -1.0})["rel64"]:
+                worst[v.name] = e
+    print(f"\nmega sm_90a, ue8m0={artifact.shape.ue8m0}: worst of {TRIALS} calls per variant "
+          f"({ties} token(s) routed differently on near-ties)")  # fmt: skip
+    for name, e in worst.items():
+        print(f"  {name}: rel L2 {e['rel64']:.2e} vs float64 (worst route {e['worst_route']:.2e}, "
+              f"max abs {e['maxabs64']:.3e}); vs float32 {e['rel32']:.2e} "
+              f"(max abs {e['maxabs32']:.3e})")  # fmt: skip
+    failed = {n: e["rel64"] for n, e in worst.items() if not e["rel64"] <= TOL}
+    assert not failed, f"relative L2 error above {TOL}: {failed}"
+
+
+def test_back_to_back_buckets(bound):
+    """Every variant called in turn, twice, without synchronizing in between:
+    the later calls (different inputs) are still right."""
+    import torch
+
+    from runtime.reference import moe_reference
+
+    artifact, layer, weights = bound
+    gen = torch.Generator("cuda").manual_seed(torch.seed() % 2**31)
+    calls = []
+    for _ in range(2):
+        for v in _variants(artifact):
+            x, logits, bias = _inputs(artifact.shape, v.tokens, v.logits_dtype, gen)
+            calls.append((v, x, logits, bias, layer.mega(x, logits, bias)))
+    torch.cuda.synchronize()
+    for v, x, logits, bias, (out, ids, w) in calls:
+        ref = moe_reference(x, logits, bias, weights[1], None, artifact.shape, torch.float64,
+                            ids=ids)  # fmt: skip
+        assert _rel_l2(out, ref.out) <= TOL, v.name
+        torch.testing.assert_close(w, ref.weights, rtol=1e-5, atol=1e-7)
