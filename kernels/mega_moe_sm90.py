@@ -130,6 +130,7 @@ class MegaMoeSm90:
         default_stages, default_ctas = STAGES[min(spec.tokens, max(STAGES))]
         self.stages = stages or default_stages
         self.ctas_per_sm = ctas_per_sm or default_ctas
+        assert prefetch in ("none", "late"), prefetch
         self.prefetch = prefetch
         self.nk1 = hidden // TILE  # GEMM1 K blocks
         self.nk2 = inter // TILE  # GEMM2 K blocks (= up tiles)
