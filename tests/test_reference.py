@@ -124,10 +124,12 @@ def test_float32_matches_float64():
     # Outputs are O(1) (the test weights are scaled for it), not zeros.
     assert 0.05 < r64.out.std() < 20 and 0.05 < r64.shared.std() < 20
     # Stated tolerance: float32 and float64 accumulation differ by about 1e-7
-    # relative L2 here (measured over seeds); 1e-4 leaves room for a rare
-    # hidden value rounding to the neighbouring FP8 value.
-    assert _rel_l2(r32.out, r64.out) < 1e-4
-    assert _rel_l2(r32.shared, r64.shared) < 1e-4
+    # relative L2 (measured over seeds), except where a hidden value sits so
+    # close to an FP8 rounding boundary that the two round it apart: each such
+    # flip moves this small layer's output by ~3e-4 (measured); 2e-3 allows a
+    # few, and any real error in the math lands far above.
+    assert _rel_l2(r32.out, r64.out) < 2e-3
+    assert _rel_l2(r32.shared, r64.shared) < 2e-3
     # The float32 final sums BF16-rounded rows (as the kernels do): ~2e-3 measured.
     assert _rel_l2(r32.final, r64.final) < 1e-2
 
