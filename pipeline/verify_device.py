@@ -14,10 +14,9 @@ Agreement rule, the same as the runtime's GPU acceptance test
 output is compared with the float32 reference that quantizes activations and
 hidden values the same way, fed the kernel's own expert choice, as the
 relative L2 error ``|got - ref| / |ref|``; it must stay below
-``REL_L2_TOL = 3e-2`` (measured on the H200, driver 580.159, all 28 sm_90a
-variants: 1.3e-2 to 2.05e-2, attributed to Hopper's FP8 wgmma accumulation
-moving some hidden values across an FP8 rounding boundary; broken kernels land
-at ~0.3 to ~1). The chosen experts must equal the reference's except on
+``REL_L2_TOL = 1e-2`` (design/semantics.md's bar; measured on the H200:
+2e-3 to 6e-3, from the tensor cores' FP8 accumulation moving a few hidden
+values across an FP8 rounding boundary; broken kernels land at ~0.3 to ~1). The chosen experts must equal the reference's except on
 tokens whose selection keys are within ``TIE`` of a tie, and the routing
 weights must match to ``rtol=1e-5, atol=1e-6`` (FP32 sigmoid and sum).
 """
@@ -27,7 +26,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-REL_L2_TOL = 3e-2
+REL_L2_TOL = 1e-2
 TIE = 1e-6
 WEIGHT_RTOL, WEIGHT_ATOL = 1e-5, 1e-6
 ATTRIBUTES = {

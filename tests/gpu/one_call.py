@@ -1,0 +1,67 @@
+"""One launch of one variant of an artifact, for tools that watch a process
+(compute-sanitizer, ncu):
+
+    compute-sanitizer --tool memcheck --kernel-name kns=moe_ \
+        python3 tests/gpu/one_call.py ARTIFACT VARIANT
+
+Weights are random bytes (FP8 NaN codes replaced) made with a handful of
+torch kernels, so a sanitizer spends its time on the MoE kernel, not on
+weight generation. Prints the outputs' finiteness; exit 1 if not finite.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+import runtime
+from runtime.layout import ExpertWeights, MoEWeights
+from runtime.model import TILE
+
+
+def random_experts(e: int, hidden: int, inter: int, device) -> ExpertWeights:
+    def fp8(*shape):
+        raw = torch.randint(0, 256, shape, dtype=torch.uint8, device=device)
+        raw[(raw & 0x7F) == 0x7F] = 0x38  # e4m3 NaN codes -> 1.0
+        return raw.view(torch.float8_e4m3fn)
+
+    def scales(*shape):
+        return torch.rand(*shape, device=device) * 1e-3 + 1e-4
+
+    return ExpertWeights(
+        w13=fp8(e, hidden // TILE, 2 * inter, TILE),
+        w13_scale=scales(e, 2 * inter // TILE, hidden // TILE),
+        w2=fp8(e, inter // TILE, hidden, TILE),
+        w2_scale=scales(e, hidden // TILE, inter // TILE),
+    )
+
+
+def main(path: str, name: str) -> int:
+    device = torch.device("cuda", 0)
+    artifact = runtime.load(path, device)
+    variant = {v.name: v for v in artifact.variants}[name]
+    s = artifact.shape
+    weights = MoEWeights(
+        random_experts(s.experts, s.hidden, s.inter, device),
+        random_experts(1, s.hidden, s.inter, device),
+    )
+    layer = artifact.bind(weights, poison=True)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[variant.logits_dtype]
+    m = variant.tokens
+    x = torch.randn(m, s.hidden, device=device).bfloat16()
+    logits = torch.randn(m, s.experts, device=device).to(dtype)
+    bias = torch.randn(s.experts, device=device) * 0.1
+    if variant.kernel == "mega":
+        outputs = layer.mega(x, logits, bias)
+    else:
+        outputs = layer.grouped(x, logits, bias, finalize=variant.finalize)
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    torch.cuda.synchronize()
+    finite = all(bool(torch.isfinite(t.float()).all()) for t in outputs)
+    print(f"{name}: one call, outputs finite: {finite}")
+    return 0 if finite else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], sys.argv[2]))
