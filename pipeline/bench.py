@@ -278,33 +278,47 @@ class Bench:
         return distinct, time_graph([lambda p=p: call(p) for p in range(POOL)], self.reps)
 
     def run(self, tokens, routings) -> list[Row]:
+        """Every case of every (routing, M): the layer, the baseline, the mega
+        variant of bucket M, the grouped variants of bucket M, and (for the
+        crossover) the grouped kernel padded to its next bucket where M is a
+        mega bucket but no grouped one."""
         rows: list[Row] = []
         buckets = {}
         for v in self.artifact.variants:
             buckets.setdefault(v.kernel, set()).add((v.tokens, v.finalize))
+        grouped = sorted(t for t, f in buckets.get("grouped", ()) if not f)
+        # A mega variant that also runs the shared expert reads its weights too.
+        mega_shared = any(
+            name == "shared_out" for v in self.artifact.variants if v.kernel == "mega"
+            for name, _ in v.params
+        )  # fmt: skip
         for routing in routings:
             for m in tokens:
-                cases = [("layer", False), ("baseline", False)]
-                cases += (
-                    [("mega", False)]
-                    if ("mega" in buckets and (m, False) in buckets["mega"])
-                    else []
-                )
+                cases = [("layer", False, None), ("baseline", False, None)]
+                has_mega = (m, False) in buckets.get("mega", ())
+                if has_mega:
+                    cases.append(("mega", False, m))
                 for tok, fin in sorted(buckets.get("grouped", ())):
                     if tok == m:
-                        cases.append(("grouped", fin))
-                for kind, fin in cases:
+                        cases.append(("grouped", fin, m))
+                above = [t for t in grouped if t >= m]
+                if has_mega and above and above[0] != m:
+                    cases.append(("grouped", False, above[0]))
+                for kind, fin, bucket in cases:
                     check = self.check(kind, m, routing, fin)
                     distinct, times = self.time_case(kind, m, routing, fin)
-                    shared = kind != "mega"
+                    shared = kind != "mega" or mega_shared
                     extra = {"finalize": fin} if kind == "grouped" else {}
-                    row = self._row(kind, m, routing, distinct, shared, times, check, **extra)
+                    row = self._row(
+                        kind, m, routing, distinct, shared, times, check, bucket=bucket, **extra
+                    )
                     rows.append(row)
+                    padded = f" (bucket {bucket})" if bucket not in (None, m) else ""
                     self.log(
                         f"{routing:8s} M={m:2d} {kind:8s}{' final' if fin else '      '} "
                         f"{row.time_us:9.2f} us {row.tb_s:6.3f} TB/s "
                         f"{100 * row.floor_fraction:5.1f}% floor rel_l2 {row.rel_l2:.2e}"
-                        f"{'' if row.correct else '  WRONG'}"
+                        f"{'' if row.correct else '  WRONG'}{padded}"
                     )
         _speedups(rows)
         return rows

@@ -80,6 +80,8 @@ def table(result: dict) -> str:
     ]
     for r in result["rows"]:
         kernel = r["kernel"] + (" (final)" if r.get("finalize") else "")
+        if r.get("bucket") not in (None, r["tokens"]):
+            kernel += f" (padded to {r['bucket']})"
         speed = f"{r['speedup_vs_baseline']:.1f}x" if r.get("speedup_vs_baseline") else ""
         lines.append(
             f"| {r['routing']} | {r['tokens']} | {kernel} | {r['distinct_experts']} | "
