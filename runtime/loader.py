@@ -156,6 +156,8 @@ class Artifact:
 
 
 def _ordinal(device) -> int:
+    """The CUDA ordinal of ``device`` (None or an unindexed "cuda": torch's
+    current device); refuses a device the driver does not see."""
     if device is None:
         if not torch.cuda.is_available():
             raise DeviceRefused("no CUDA device is visible to torch")
@@ -163,4 +165,8 @@ def _ordinal(device) -> int:
     device = torch.device(device)
     if device.type != "cuda":
         raise DeviceRefused(f"expected a CUDA device, found {device}")
-    return device.index if device.index is not None else torch.cuda.current_device()
+    ordinal = device.index if device.index is not None else torch.cuda.current_device()
+    count = driver.device_count()
+    if ordinal >= count:
+        raise DeviceRefused(f"{device}: no such device; the driver sees {count} CUDA devices")
+    return ordinal

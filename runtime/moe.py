@@ -181,8 +181,12 @@ class MoELayer:
                 values.append(workspace[name])
             else:
                 values.append(buffers[name].data_ptr())
-        driver.make_current(self.ordinal)
-        self.launchers[variant.name](stream, values)
+        # The device's context is current for the launch only (the legacy
+        # default stream, handle 0, runs in the current context). Leaving it
+        # current would move torch's current device to this layer's: the CUDA
+        # runtime takes the thread's current context as its device.
+        with driver.context(self.ordinal):
+            self.launchers[variant.name](stream, values)
 
     def _crop(self, m: int, out, ids, weights):
         return out[: m * self.shape.top_k], ids[:m], weights[:m]
