@@ -75,6 +75,9 @@ class KernelSpec:
     logits_dtype: str
     finalize: bool
     sms: int
+    #: Shared experts the layer adds (0 or 1): the mega kernels compute it in
+    #: extra routes when 1.
+    shared_experts: int = 1
 
 
 @dataclass(frozen=True)

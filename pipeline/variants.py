@@ -41,6 +41,7 @@ class Variant:
             logits_dtype=self.logits_dtype,
             finalize=self.finalize,
             sms=self.sms,
+            shared_experts=m.shared_experts,
         )
 
 

@@ -32,6 +32,7 @@ CHANGED = {
     "logits_dtype": "bfloat16",
     "finalize": True,
     "sms": 148,
+    "shared_experts": 0,
 }
 SOURCES = {"kernels/mega_moe_sm90.py": "0" * 64, "kernels/spec.py": "1" * 64}
 TOOLS = {"dsl": {"nvidia-cutlass-dsl": "4.8.1"}, "compiler": {}, "python": "3.11", "env": {}}
