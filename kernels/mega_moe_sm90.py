@@ -106,8 +106,14 @@ MMA_THREADS = 128  # the MMA warpgroup (warps 0-3)
 THREADS = MMA_THREADS + 32  # + the producer warp
 PRODUCER_WARP = MMA_THREADS // 32
 ENTRY = "moe_mega_sm90"
-PARAMS = ("maps", "w13_scale", "w2_scale", "x", "logits", "bias", "rows1", "rows2", "out",
-          "ids", "weights")  # fmt: skip
+#: ABI with the shared expert (``spec.shared_experts == 1``) ...
+PARAMS = ("maps", "w13_scale", "w2_scale", "s13_scale", "s2_scale", "x", "logits", "bias",
+          "rows1", "rows2", "out", "shared_out", "ids", "weights")  # fmt: skip
+MAPS = ("w13", "w2", "s13", "s2")
+#: ... and without (routed experts only).
+ROUTED_PARAMS = ("maps", "w13_scale", "w2_scale", "x", "logits", "bias", "rows1", "rows2", "out",
+                 "ids", "weights")  # fmt: skip
+ROUTED_MAPS = ("w13", "w2")
 WG_BARRIER = 1  # named barrier of the MMA warpgroup (0 is __syncthreads)
 
 #: Ring depth and CTAs per SM per token bucket: M routes x 8 CTAs must all be
@@ -121,12 +127,18 @@ class MegaMoeSm90:
     host launch and device code."""
 
     def __init__(self, spec: KernelSpec, stages: int | None = None, ctas_per_sm: int | None = None,
-                 prefetch: str = "none"):  # fmt: skip
+                 prefetch: str = "none", early_shared: bool = True):  # fmt: skip
         hidden, inter = spec.hidden, spec.inter
         self.hidden, self.inter, self.experts, self.top_k = hidden, inter, spec.experts, spec.top_k
         self.scale, self.limit, self.ue8m0 = spec.scale, spec.limit, spec.ue8m0
         self.logits_bf16 = spec.logits_dtype == "bfloat16"
+        assert spec.shared_experts in (0, 1), spec.shared_experts
+        # Clusters 0 .. shared - 1 run the shared expert (one per token), the
+        # routes (token t, route k) follow at shared + t * top_k + k.
+        self.shared = spec.tokens * spec.shared_experts
         self.routes = spec.tokens * spec.top_k
+        self.groups = self.shared + self.routes
+        self.early_shared = early_shared and self.shared > 0
         default_stages, default_ctas = STAGES[min(spec.tokens, max(STAGES))]
         self.stages = stages or default_stages
         self.ctas_per_sm = ctas_per_sm or default_ctas
@@ -161,23 +173,45 @@ class MegaMoeSm90:
 
     def launch_shape(self) -> LaunchShape:
         return LaunchShape(
-            grid=(self.cluster * self.routes, 1, 1), block=(THREADS, 1, 1),
+            grid=(self.cluster * self.groups, 1, 1), block=(THREADS, 1, 1),
             cluster=(self.cluster, 1, 1), smem=self.smem, pdl=True,
         )  # fmt: skip
 
     @cute.jit
     def __call__(self, maps: cute.Tensor, w13_scale: cute.Tensor, w2_scale: cute.Tensor,
-                 x: cute.Tensor, logits: cute.Tensor, bias: cute.Tensor, rows1: cute.Tensor,
-                 rows2: cute.Tensor, out: cute.Tensor, ids: cute.Tensor, weights: cute.Tensor,
-                 stream):  # fmt: skip
+                 s13_scale: cute.Tensor, s2_scale: cute.Tensor, x: cute.Tensor,
+                 logits: cute.Tensor, bias: cute.Tensor, rows1: cute.Tensor, rows2: cute.Tensor,
+                 out: cute.Tensor, shared_out: cute.Tensor, ids: cute.Tensor,
+                 weights: cute.Tensor, stream):  # fmt: skip
+        """Launch with the shared expert (``PARAMS``)."""
         self.kernel.set_name_prefix(ENTRY, remove_cutlass_symbol=True, keep_mangled_name=False)
-        self.kernel(
-            maps, w13_scale, w2_scale, x, logits, bias, rows1, rows2, out, ids, weights
-        ).launch(
-            grid=(self.cluster * self.routes, 1, 1),
-            block=(THREADS, 1, 1),
-            cluster=(self.cluster, 1, 1),
-            smem=self.smem,
+        self.launch(
+            self.kernel(maps, w13_scale, w2_scale, s13_scale, s2_scale, x, logits, bias, rows1,
+                        rows2, out, shared_out, ids, weights),
+            stream,
+        )  # fmt: skip
+
+    @cute.jit
+    def routed_only(self, maps: cute.Tensor, w13_scale: cute.Tensor, w2_scale: cute.Tensor,
+                    x: cute.Tensor, logits: cute.Tensor, bias: cute.Tensor, rows1: cute.Tensor,
+                    rows2: cute.Tensor, out: cute.Tensor, ids: cute.Tensor,
+                    weights: cute.Tensor, stream):  # fmt: skip
+        """Launch without a shared expert (``ROUTED_PARAMS``)."""
+        self.kernel_routed.set_name_prefix(ENTRY, remove_cutlass_symbol=True,
+                                           keep_mangled_name=False)  # fmt: skip
+        self.launch(
+            self.kernel_routed(maps, w13_scale, w2_scale, x, logits, bias, rows1, rows2, out,
+                               ids, weights),
+            stream,
+        )  # fmt: skip
+
+    def launch(self, kernel, stream):
+        shape = self.launch_shape()
+        kernel.launch(
+            grid=shape.grid,
+            block=shape.block,
+            cluster=shape.cluster,
+            smem=shape.smem,
             stream=stream,
             use_pdl=True,
             min_blocks_per_mp=self.ctas_per_sm,
@@ -190,16 +224,63 @@ class MegaMoeSm90:
 
     @cute.kernel
     def kernel(self, maps: cute.Tensor, w13_scale: cute.Tensor, w2_scale: cute.Tensor,
-               x: cute.Tensor, logits: cute.Tensor, bias: cute.Tensor, rows1: cute.Tensor,
-               rows2: cute.Tensor, out: cute.Tensor, ids: cute.Tensor,
+               s13_scale: cute.Tensor, s2_scale: cute.Tensor, x: cute.Tensor,
+               logits: cute.Tensor, bias: cute.Tensor, rows1: cute.Tensor, rows2: cute.Tensor,
+               out: cute.Tensor, shared_out: cute.Tensor, ids: cute.Tensor,
                weights: cute.Tensor):  # fmt: skip
+        self.body(
+            maps.iterator.toint(), w13_scale.iterator.toint(), w2_scale.iterator.toint(),
+            s13_scale.iterator.toint(), s2_scale.iterator.toint(), x.iterator.toint(),
+            logits.iterator.toint(), bias.iterator.toint(), rows1.iterator.toint(),
+            rows2.iterator.toint(), out.iterator.toint(), shared_out.iterator.toint(),
+            ids.iterator.toint(), weights.iterator.toint(),
+        )  # fmt: skip
+
+    @cute.kernel
+    def kernel_routed(self, maps: cute.Tensor, w13_scale: cute.Tensor, w2_scale: cute.Tensor,
+                      x: cute.Tensor, logits: cute.Tensor, bias: cute.Tensor,
+                      rows1: cute.Tensor, rows2: cute.Tensor, out: cute.Tensor,
+                      ids: cute.Tensor, weights: cute.Tensor):  # fmt: skip
+        none = Int64(0)  # no shared routes: never read
+        self.body(
+            maps.iterator.toint(), w13_scale.iterator.toint(), w2_scale.iterator.toint(),
+            none, none, x.iterator.toint(), logits.iterator.toint(), bias.iterator.toint(),
+            rows1.iterator.toint(), rows2.iterator.toint(), out.iterator.toint(), none,
+            ids.iterator.toint(), weights.iterator.toint(),
+        )  # fmt: skip
+
+    @cute.jit
+    def body(self, maps: Int64, w13_scale: Int64, w2_scale: Int64, s13_scale: Int64,
+             s2_scale: Int64, x: Int64, logits: Int64, bias: Int64, rows1: Int64, rows2: Int64,
+             out: Int64, shared_out: Int64, ids: Int64, weights: Int64):  # fmt: skip
+        """One cluster = one route (global addresses in bytes): cluster g <
+        ``self.shared`` is token g's shared expert (maps s13/s2, expert 0,
+        its scales, row ``shared_out[g]``); cluster g >= ``self.shared`` is
+        route r = g - shared (token r // top_k, pick r % top_k: maps w13/w2,
+        the routed expert, row ``out[r]``, ``ids[r]``, ``weights[r]``). Both
+        run the same code from the producer's first load on."""
         tid, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
         cta, _, _ = cute.arch.block_idx()
         rank = cute.arch.make_warp_uniform(ptx.cluster_ctarank())
-        route = cta // self.cluster
+        group = cta // self.cluster
+        route = group - self.shared
+        token = route // self.top_k
+        k = route % self.top_k
         stages = self.stages
+
+        map1 = maps
+        scale1, scale2 = w13_scale, w2_scale
+        row = out + Int64(route) * (self.hidden * 2)
+        if cutlass.const_expr(self.shared > 0):
+            if group < self.shared:
+                token = group
+                map1 = maps + 2 * 128
+                scale1 = s13_scale
+                scale2 = s2_scale
+                row = shared_out + Int64(group) * (self.hidden * 2)
+        map2 = map1 + 128
 
         base = cute.arch.get_dyn_smem(cutlass.Uint8, alignment=1024).toint()
         bar = base + self.off_bar
@@ -207,8 +288,6 @@ class MegaMoeSm90:
         empty = bar + 8 * stages
         gate_in = bar + 16 * stages
         hrecv = gate_in + 8
-        map1 = maps.iterator.toint()
-        map2 = map1 + 128
 
         if tid == 0:
             for s in cutlass.range_constexpr(stages):
@@ -246,33 +325,54 @@ class MegaMoeSm90:
         cute.arch.sync_threads()
 
         # No early launch_dependents: a dependent grid may read `weights`.
-        ptx.griddepcontrol_wait()
-        token = route // self.top_k
-        k = route % self.top_k
         dsize = 2 if self.logits_bf16 else 4
-        row_logits = logits.iterator.toint() + Int64(token) * (self.experts * dsize)
+        row_logits = logits + Int64(token) * (self.experts * dsize)
         if warp == PRODUCER_WARP:
-            # The first load waits on this: stop selecting after round k.
-            expert = route_pick(row_logits, bias.iterator.toint(), lane, k, self.experts,
-                                self.top_k, self.logits_bf16)  # fmt: skip
+            expert = Int32(0)
+            if cutlass.const_expr(self.shared > 0):
+                # A shared route needs no routing and reads only weights: with
+                # early_shared its stages stream before the previous grid ends.
+                if cutlass.const_expr(not self.early_shared):
+                    ptx.griddepcontrol_wait()
+                if group >= self.shared:
+                    if cutlass.const_expr(self.early_shared):
+                        ptx.griddepcontrol_wait()
+                    # The first load waits on this: stop selecting after round k.
+                    expert = route_pick(row_logits, bias, lane, k, self.experts, self.top_k,
+                                        self.logits_bf16)  # fmt: skip
+            else:
+                ptx.griddepcontrol_wait()
+                expert = route_pick(row_logits, bias, lane, k, self.experts, self.top_k,
+                                    self.logits_bf16)  # fmt: skip
             if lane == 0:
                 self.produce(base, full, empty, map1, map2, expert, rank)
             ptx.cluster_wait()
         else:
-            ident, weight = route_token(
-                row_logits, bias.iterator.toint(), lane, self.experts, self.top_k, self.scale,
-                self.logits_bf16,
-            )  # fmt: skip
-            expert = cute.arch.shuffle_sync(ident, k)
-            if rank == 0:
-                if warp == 0:
-                    if lane == k:
-                        ptx.st_global_u32(ids.iterator.toint() + Int64(route) * 4, Uint32(ident))
-                        ptx.st_global_f32(weights.iterator.toint() + Int64(route) * 4, weight)
+            ptx.griddepcontrol_wait()
+            expert = Int32(0)
+            if cutlass.const_expr(self.shared > 0):
+                if group >= self.shared:
+                    expert = self.route(row_logits, bias, lane, warp, rank, k, route, ids, weights)
+            else:
+                expert = self.route(row_logits, bias, lane, warp, rank, k, route, ids, weights)
             self.consume(
-                base, full, empty, gate_in, hrecv, tid, lane, rank, route, token, expert,
-                w13_scale, w2_scale, x, rows1, rows2, out,
+                base, full, empty, gate_in, hrecv, tid, lane, rank, token, expert, scale1,
+                scale2, x, rows1, rows2, row,
             )  # fmt: skip
+
+    @cute.jit
+    def route(self, row_logits, bias, lane, warp, rank, k, route, ids, weights) -> Int32:
+        """The MMA warps' routing of the token (every warp routes it: no
+        exchange needed): returns the expert of pick ``k``; warp 0 of rank 0
+        stores ``ids[route]`` and ``weights[route]``."""
+        ident, weight = route_token(row_logits, bias, lane, self.experts, self.top_k, self.scale,
+                                    self.logits_bf16)  # fmt: skip
+        if rank == 0:
+            if warp == 0:
+                if lane == k:
+                    ptx.st_global_u32(ids + Int64(route) * 4, Uint32(ident))
+                    ptx.st_global_f32(weights + Int64(route) * 4, weight)
+        return cute.arch.shuffle_sync(ident, k)
 
     @cute.jit
     def produce(self, base, full, empty, map1, map2, expert, rank):
@@ -305,11 +405,12 @@ class MegaMoeSm90:
                 )  # fmt: skip
 
     @cute.jit
-    def consume(self, base, full, empty, gate_in, hrecv, tid, lane, rank, route, token, expert,
-                w13_scale, w2_scale, x, rows1, rows2, out):  # fmt: skip
+    def consume(self, base, full, empty, gate_in, hrecv, tid, lane, rank, token, expert,
+                w13_scale, w2_scale, x, rows1, rows2, out_row):  # fmt: skip
         """The MMA warpgroup: quantize the token, GEMM1, the DSMEM exchange
         (gate values to the up CTA, hidden broadcast), GEMM2 and the output
-        rows."""
+        row at ``out_row`` (all global operands are byte addresses; the
+        scales are the expert set's: ``expert`` indexes them)."""
         stages, nk1, nk2, tiles2 = self.stages, self.nk1, self.nk2, self.tiles2
         sets = nk1 // 8
         quad = lane % 4
@@ -325,7 +426,7 @@ class MegaMoeSm90:
         for j in cutlass.range_constexpr(per):
             kb = tid // 8 + 16 * j
             values = cute.make_rmem_tensor(cute.make_layout((16,)), Float32)
-            _load_bf16x16(x.iterator.toint() + (Int64(token) * self.hidden + kb * TILE
+            _load_bf16x16(x + (Int64(token) * self.hidden + kb * TILE
                                                 + chunk * 16) * 2, values)  # fmt: skip
             words, sx = quantize_activations(values, 8, self.ue8m0)
             for w in cutlass.range_constexpr(4):
@@ -338,12 +439,12 @@ class MegaMoeSm90:
 
         # Epilogue inputs, loaded while the first stages stream in. Column c of
         # accumulator set s is K block 8 s + c; this thread holds c = 2q, 2q+1.
-        s13 = w13_scale.iterator.toint() + (Int64(expert) * self.cluster + rank) * nk1 * 4
+        s13 = w13_scale + (Int64(expert) * self.cluster + rank) * nk1 * 4
         w1s = cute.make_rmem_tensor(cute.make_layout((2 * sets,)), Float32)
         for j in cutlass.range_constexpr(2 * sets):
             w1s[j] = ptx.ld_global_nc_f32(s13 + ((j // 2) * 8 + 2 * quad + j % 2) * 4)
-        local = logical_row(rows1.iterator.toint(), rank * TILE + row) - rank * TILE
-        s2 = w2_scale.iterator.toint() + (
+        local = logical_row(rows1, rank * TILE + row) - rank * TILE
+        s2 = w2_scale + (
             (Int64(expert) * (self.hidden // TILE) + rank * tiles2) * nk2) * 4  # fmt: skip
         w2s = cute.make_rmem_tensor(cute.make_layout((2 * tiles2,)), Float32)
         for t in cutlass.range_constexpr(tiles2):
@@ -352,7 +453,7 @@ class MegaMoeSm90:
                 w2s[2 * t + c] = ptx.ld_global_nc_f32(s2 + (t * nk2 + col) * 4)
         out_rows = cute.make_rmem_tensor(cute.make_layout((tiles2,)), Int32)
         for t in cutlass.range_constexpr(tiles2):
-            out_rows[t] = logical_row(rows2.iterator.toint(), rank * self.rows2 + t * TILE + row)
+            out_rows[t] = logical_row(rows2, rank * self.rows2 + t * TILE + row)
         ptx.fence_proxy_async_shared()
         ptx.bar_sync(WG_BARRIER, MMA_THREADS)
 
@@ -454,7 +555,6 @@ class MegaMoeSm90:
                 acc2[t][h] = wgmma.fence_operands(acc2[t][h])
         # (the last stages need no release: nothing loads after them)
 
-        out_base = out.iterator.toint() + Int64(route) * (self.hidden * 2)
         for t in cutlass.range_constexpr(tiles2):
             sums2 = cute.make_rmem_tensor(cute.make_layout((4,)), Float32)
             for h in cutlass.range_constexpr(2):
@@ -464,7 +564,7 @@ class MegaMoeSm90:
                         v = v + acc2[t][h][2 * r + c] * (w2s[2 * t + c] * hs[c])
                     sums2[2 * h + r] = v
             value = _quad_pick(sums2, quad)
-            ptx.st_global_u16(out_base + Int64(out_rows[t]) * 2, ptx.cvt_bf16(value))
+            ptx.st_global_u16(out_row + Int64(out_rows[t]) * 2, ptx.cvt_bf16(value))
 
     @cute.jit
     def fill_b1(self, base, kb, chunk, codes, j: cutlass.Constexpr[int]):
@@ -553,7 +653,9 @@ def _quad_pick(sums, quad):
 def compile_kernel(spec: KernelSpec, **options) -> CompiledKernel:
     """Compiles one mega variant for sm_90a (no GPU needed); ``CUTE_DSL_ARCH``
     must have been sm_90a when cutlass was first imported. ``options``
-    (stages, ctas_per_sm, prefetch) override the tuned defaults."""
+    (stages, ctas_per_sm, prefetch, early_shared) override the tuned
+    defaults. ``spec.shared_experts`` picks the ABI: ``PARAMS`` / ``MAPS``
+    with the shared expert, ``ROUTED_PARAMS`` / ``ROUTED_MAPS`` without."""
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
     assert spec.kernel == "mega" and spec.arch == "sm_90a", spec
@@ -565,35 +667,44 @@ def compile_kernel(spec: KernelSpec, **options) -> CompiledKernel:
     def fake(dtype, *shape, align=16):
         return make_fake_compact_tensor(dtype, shape, assumed_align=align)
 
-    args = (
-        fake(cutlass.Uint8, 2 * 128, align=64),  # maps
-        fake(Float32, e, 2 * i // TILE, h // TILE),  # w13_scale
-        fake(Float32, e, h // TILE, i // TILE),  # w2_scale
-        fake(cutlass.BFloat16, m, h),  # x
-        fake(logits_dtype, m, e),  # logits
-        fake(Float32, e),  # bias
-        fake(Int32, 2 * i),  # rows1
-        fake(Int32, h),  # rows2
-        fake(cutlass.BFloat16, m * k, h),  # out
-        fake(Int32, m * k),  # ids
-        fake(Float32, m * k),  # weights
-    )
-    compiled = cute.compile(kernel, *args, make_fake_stream())
+    shared = kernel.shared > 0
+    names, maps = (PARAMS, MAPS) if shared else (ROUTED_PARAMS, ROUTED_MAPS)
+    tensors = {
+        "maps": fake(cutlass.Uint8, len(maps) * 128, align=64),
+        "w13_scale": fake(Float32, e, 2 * i // TILE, h // TILE),
+        "w2_scale": fake(Float32, e, h // TILE, i // TILE),
+        "s13_scale": fake(Float32, 1, 2 * i // TILE, h // TILE),
+        "s2_scale": fake(Float32, 1, h // TILE, i // TILE),
+        "x": fake(cutlass.BFloat16, m, h),
+        "logits": fake(logits_dtype, m, e),
+        "bias": fake(Float32, e),
+        "rows1": fake(Int32, 2 * i),
+        "rows2": fake(Int32, h),
+        "out": fake(cutlass.BFloat16, m * k, h),
+        "shared_out": fake(cutlass.BFloat16, m, h),
+        "ids": fake(Int32, m * k),
+        "weights": fake(Float32, m * k),
+    }
+    args = tuple(tensors[n] for n in names)
+    entry = kernel if shared else kernel.routed_only
+    compiled = cute.compile(entry, *args, make_fake_stream())
     cubin = compiled.artifacts.CUBIN
     if cubin is None:
         raise RuntimeError("no cubin: set CUTE_DSL_KEEP=ptx,cubin before importing cutlass")
     return CompiledKernel(
         cubin=bytes(cubin),
         entry=f"{ENTRY}_0",
-        params=tuple(Param(name, "pointer") for name in PARAMS),
+        params=tuple(Param(name, "pointer") for name in names),
         launch=kernel.launch_shape(),
-        tensor_maps=("w13", "w2"),
+        tensor_maps=maps,
         ptx=compiled.artifacts.PTX,
         notes={
             "stages": kernel.stages,
             "stage_bytes": STAGE_BYTES,
             "ctas_per_sm": kernel.ctas_per_sm,
             "prefetch": kernel.prefetch,
+            "shared_routes": kernel.shared,
+            "early_shared": kernel.early_shared,
             "threads": THREADS,
             "cluster": kernel.cluster,
             "smem_layout": {

@@ -1,7 +1,8 @@
 """The sm_90a mega kernel built by the DSL compiler (marked ``compile``): three
 glm5 mega variants (both ends of the buckets, both logits dtypes, UE8M0 on
-and off) compiled in a fresh sm_90a process, their records checked against
-the mega ABI and their SASS read back: FP8 wgmma (QGMMA), TMA loads, no
+and off) and one without a shared expert compiled in a fresh sm_90a process,
+their records checked against the mega ABI (with and without the shared
+expert's routes) and their SASS read back: FP8 wgmma (QGMMA), TMA loads, no
 local memory, registers and shared memory that fit the CTAs per SM the
 variant was tuned for.
 
@@ -24,8 +25,10 @@ from kernels.spec import PARAMETER_NAMES, KernelSpec
 
 REPO = Path(__file__).resolve().parents[1]
 ENTRY = "moe_mega_sm90_0"
-MEGA_PARAMS = ("maps", "w13_scale", "w2_scale", "x", "logits", "bias", "rows1", "rows2", "out",
-               "ids", "weights")  # fmt: skip
+MEGA_PARAMS = ("maps", "w13_scale", "w2_scale", "s13_scale", "s2_scale", "x", "logits", "bias",
+               "rows1", "rows2", "out", "shared_out", "ids", "weights")  # fmt: skip
+ROUTED_PARAMS = ("maps", "w13_scale", "w2_scale", "x", "logits", "bias", "rows1", "rows2", "out",
+                 "ids", "weights")  # fmt: skip
 THREADS = 160  # MMA warpgroup + producer warp
 CLUSTER = 8  # 2 * inter / 128 CTAs per route
 # H200 (sm_90) per-SM resources the tuned CTAs-per-SM must fit in.
@@ -33,12 +36,13 @@ REGISTERS_PER_SM = 65536
 SMEM_PER_SM = 228 * 1024
 
 
-def spec(tokens, dtype="float32", ue8m0=False) -> KernelSpec:
+def spec(tokens, dtype="float32", ue8m0=False, shared=1) -> KernelSpec:
     return KernelSpec("mega", "sm_90a", 4096, 512, 288, 8, 2.5, 10.0, ue8m0, tokens, dtype,
-                      False, 132)  # fmt: skip
+                      False, 132, shared_experts=shared)  # fmt: skip
 
 
-SPECS = [spec(1), spec(2, "bfloat16", ue8m0=True), spec(4, "float32", ue8m0=True)]
+SPECS = [spec(1), spec(2, "bfloat16", ue8m0=True), spec(4, "float32", ue8m0=True),
+         spec(4, shared=0)]  # fmt: skip
 
 _COMPILE = r"""
 import json, sys, time
@@ -141,21 +145,27 @@ def test_variants_build_into_wgmma_tma_and_no_local_memory(built):
 def test_launch_records_match_the_mega_abi(built):
     out, records = built
     for i, (s, r) in enumerate(zip(SPECS, records, strict=True)):
+        names = MEGA_PARAMS if s.shared_experts else ROUTED_PARAMS
+        maps = ["w13", "w2", "s13", "s2"] if s.shared_experts else ["w13", "w2"]
         assert r["entry"] == ENTRY
-        assert [p for p, _ in r["params"]] == list(MEGA_PARAMS)
+        assert [p for p, _ in r["params"]] == list(names)
         assert all(kind == "pointer" and p in PARAMETER_NAMES for p, kind in r["params"])
-        assert r["grid"] == [CLUSTER * s.tokens * s.top_k, 1, 1]
+        # One cluster per route, plus one per token for the shared expert.
+        assert r["grid"] == [CLUSTER * s.tokens * (s.top_k + s.shared_experts), 1, 1]
+        assert r["notes"]["shared_routes"] == s.tokens * s.shared_experts
         assert r["block"] == [THREADS, 1, 1] and r["cluster"] == [CLUSTER, 1, 1]
-        assert r["pdl"] is True and r["maps"] == ["w13", "w2"] and r["workspace"] == []
+        assert r["pdl"] is True and r["maps"] == maps and r["workspace"] == []
         assert r["smem"] >= r["notes"]["stages"] * 128 * 128
         # Every parameter is one 8-byte pointer in the PTX entry, and the
-        # kernel waits on the previous grid (PDL) before reading inputs.
+        # kernel waits on the previous grid (PDL) before reading inputs (the
+        # first input load and the first TMA follow a wait in the text; only
+        # a shared route's producer, which reads no input, skips the wait).
         ptx = (out / f"{i}.ptx").read_text()
         entry = ptx[ptx.index(f".entry {ENTRY}(") :]
         body = entry
         entry = entry[: entry.index(")")]
         params = re.findall(rf"\.param ([^\n]*?){ENTRY}_param_\d+(\[\d+\])?", entry)
-        assert len(params) == len(MEGA_PARAMS)
+        assert len(params) == len(names)
         assert all(size == "[8]" or ".u64" in decl for decl, size in params), params
         wait = body.index("griddepcontrol.wait")
         assert all(body.index(load) > wait for load in ("ld.global.nc", "cp.async.bulk.tensor"))
