@@ -1,10 +1,10 @@
 """A bound MoE layer: the seeds' calling conventions over prebuilt cubins.
 
-``layer.mega(x, logits, bias)`` -> (out, ids, weights) and
-``layer.grouped(x, logits, bias, finalize=False)`` -> (out, ids, weights,
-shared) or ``final`` run one kernel; ``layer(x, logits, bias)`` serves any M in
-1..64 and returns the full MoE output BF16 [M, H] (routed, weighted, plus the
-shared expert). Shapes: out BF16 [M * top_k, H] (row t*top_k + k = route k of
+``layer.mega(x, logits, bias)`` -> (out, ids, weights) (``shared=True``: also
+the shared expert's output) and ``layer.grouped(x, logits, bias,
+finalize=False)`` -> (out, ids, weights, shared) or ``final`` run one kernel;
+``layer(x, logits, bias)`` serves any M in 1..64 and returns the full MoE
+output BF16 [M, H] (routed, weighted, plus the shared expert). Shapes: out BF16 [M * top_k, H] (row t*top_k + k = route k of
 token t, unweighted), ids int32 [M, top_k], weights FP32 [M, top_k], shared
 and final BF16 [M, H]. Padded rows never come back.
 
@@ -14,10 +14,12 @@ allocator) and the padded inputs when M is not a bucket; workspaces are made
 on a stream's first call, outside any capture. So a layer can be captured in
 a CUDA graph and replayed.
 
-Known cost: calls the mega kernel serves compute the shared expert in torch
-(runtime.shared_expert), and weight and add the routes in torch
-(``runtime.reference.finalize``, FP32 in top-k order, as the grouped kernel's
-finalize does).
+Calls the mega kernel serves: mega variants with a ``shared_out`` parameter
+compute the shared expert in extra routes of the same launch; for older ones
+the layer computes it in torch (runtime.shared_expert, slow). The layer then
+weights and adds the routes and the shared row in torch (``combine``: FP32,
+four small kernels, no host sync; the grouped kernel's in-kernel finalize
+does the same sum in top-k order).
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ from runtime.inputs import LOGITS, check_call
 from runtime.layout import logical_rows
 from runtime.model import TILE, MoEShape
 from runtime.plan import Step, bucket_for, default_table, pad_rows
-from runtime.reference import finalize as weighted_sum
 from runtime.shared_expert import SharedExpert
 
 _DTYPE_NAMES = {v: k for k, v in LOGITS.items()}
@@ -82,19 +83,27 @@ class MoELayer:
                         f"table[{dtype!r}][{m}]: {step} names no variant of this artifact "
                         f"that serves M = {m}"
                     )
-        uses_mega = any(s.kernel == "mega" for t in self.tables.values() for s in t.values())
+        # The torch shared expert, only for mega variants that lack it.
         self.shared_expert = None
-        if uses_mega and shape.shared_experts:
+        if shape.shared_experts and any(
+            v.kernel == "mega" and not computes_shared(v) for v in artifact.variants
+        ):
             self.shared_expert = SharedExpert(_expert(tensors, "s"), shape)
 
     # Entries ------------------------------------------------------------------
 
-    def mega(self, x, logits, bias):
-        """Routed experts by the mega kernel: (out, ids, weights)."""
+    def mega(self, x, logits, bias, shared: bool = False):
+        """Routed experts by the mega kernel: (out, ids, weights); with
+        ``shared`` also the shared expert's BF16 [M, H] output (the kernel's
+        when the variant computes it, else runtime.shared_expert's; None
+        without a shared expert)."""
         m, dtype = self._check(x, logits, bias, "mega")
         step = self._step("mega", m, dtype, False)
-        out, ids, weights, _, _ = self._run(step, x, logits, bias, dtype)
-        return self._crop(m, out, ids, weights)
+        out, ids, weights, rows, _ = self._run(step, x, logits, bias, dtype)
+        routed = self._crop(m, out, ids, weights)
+        if not shared:
+            return routed
+        return (*routed, self._mega_shared(step, dtype, x, rows, m))
 
     def grouped(self, x, logits, bias, finalize: bool = False):
         """Routed plus shared expert by the grouped kernel: (out, ids, weights,
@@ -117,11 +126,10 @@ class MoELayer:
             return final[:m]
         out, ids, weights = self._crop(m, out, ids, weights)
         if step.kernel == "mega":
-            shared = self.shared_expert(x) if self.shared_expert is not None else None
+            shared = self._mega_shared(step, dtype, x, shared, m)
         else:
             shared = shared[:m] if self.shape.shared_experts else None
-        total = weighted_sum(out, weights, shared, self.shape.top_k)
-        return total.to(torch.bfloat16)
+        return combine(out, weights, shared)
 
     # Parts ----------------------------------------------------------------------
 
@@ -190,6 +198,33 @@ class MoELayer:
 
     def _crop(self, m: int, out, ids, weights):
         return out[: m * self.shape.top_k], ids[:m], weights[:m]
+
+    def _mega_shared(self, step: Step, dtype: str, x, rows, m: int):
+        """The shared expert's rows of a mega call: the kernel's output
+        ``rows`` (bucket-sized) when the variant computes it."""
+        if not self.shape.shared_experts:
+            return None
+        if computes_shared(self.buckets[("mega", dtype)][step.bucket][step.finalize]):
+            return rows[:m]
+        return self.shared_expert(x)
+
+
+def computes_shared(variant) -> bool:
+    """Whether ``variant`` writes the shared expert's rows (``shared_out``)."""
+    return any(name == "shared_out" for name, _ in variant.params)
+
+
+def combine(out, weights, shared):
+    """BF16 [M, H] = sum_k weights[t, k] * out[t * top_k + k] (+ shared[t]),
+    in FP32, rounded once. ``out`` BF16 [M * top_k, H], ``weights`` FP32
+    [M, top_k], ``shared`` BF16 [M, H] or None. Four kernels whatever top_k
+    (the sum's order differs from ``runtime.reference.finalize``'s top-k
+    order by FP32 ulps only); device ops only, so capture-safe."""
+    m, k = weights.shape
+    total = (weights[:, :, None] * out.view(m, k, -1)).sum(dim=1)
+    if shared is not None:
+        total += shared
+    return total.to(torch.bfloat16)
 
 
 def fillable(variant, tensors: dict) -> list[str]:

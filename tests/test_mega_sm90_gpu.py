@@ -18,7 +18,12 @@ call, outputs NaN-poisoned before every launch (``bind(poison=True)``):
     single route; what remains after both FP8 quantizations agree bit for bit
     is accumulation order, the tensor cores' FP8 accumulation (about 1.3e-4
     per GEMM1 row) and the hidden FP8 codes it flips). Max-abs error and the
-    error against the float32 reference are reported too.
+    error against the float32 reference are reported too;
+  * shared_out (the shared expert, computed by the same launch when the
+    config has one): relative L2 error <= ``TOL`` against the float64
+    reference's ``shared``;
+  * the layer's output (``layer(x, logits, bias)``: kernel + combine in
+    torch) against the float64 reference's ``final``, same bar.
 Calls of different buckets back to back must not disturb each other.
 """
 
@@ -88,14 +93,20 @@ def _check_call(artifact, layer, weights, v, gen) -> dict:
     """One call of variant ``v`` with fresh inputs: its error figures."""
     import torch
 
+    from runtime.moe import computes_shared
     from runtime.reference import moe_reference, route, tie_margin
 
     shape = artifact.shape
+    # The kernel computes the shared expert exactly when the config has one.
+    assert computes_shared(v) == bool(shape.shared_experts), v.params
     x, logits, bias = _inputs(shape, v.tokens, v.logits_dtype, gen)
-    out, ids, w = layer.mega(x, logits, bias)
+    out, ids, w, shared = layer.mega(x, logits, bias, shared=True)
+    final = layer(x, logits, bias)
     torch.cuda.synchronize()
     assert out.shape == (v.tokens * shape.top_k, shape.hidden) and ids.shape == w.shape
     assert not out.isnan().any() and not w.isnan().any(), f"{v.name}: unwritten outputs"
+    if shared is not None:
+        assert shared.shape == (v.tokens, shape.hidden) and not shared.isnan().any(), v.name
     assert bool(((ids >= 0) & (ids < shape.experts)).all()), f"{v.name}: ids {ids.tolist()}"
 
     ref_ids, _ = route(logits, bias, shape.top_k, shape.routed_scale)
@@ -103,11 +114,14 @@ def _check_call(artifact, layer, weights, v, gen) -> dict:
     same = (ids == ref_ids).all(dim=1)
     assert bool((same | close).all()), f"{v.name}: routing differs on {(~same & ~close).nonzero()}"
 
-    ref64 = moe_reference(x, logits, bias, weights[1], None, shape, torch.float64, ids=ids)
+    expert = weights[2] if shape.shared_experts else None
+    ref64 = moe_reference(x, logits, bias, weights[1], expert, shape, torch.float64, ids=ids)
     ref32 = moe_reference(x, logits, bias, weights[1], None, shape, torch.float32, ids=ids)
     torch.testing.assert_close(w, ref64.weights, rtol=1e-5, atol=1e-7)
     routes = (out.double() - ref64.out).norm(dim=1) / ref64.out.norm(dim=1)
     return {
+        "shared64": _rel_l2(shared, ref64.shared) if shared is not None else 0.0,
+        "final64": _rel_l2(final, ref64.final),
         "rel64": _rel_l2(out, ref64.out),
         "worst_route": routes.max().item(),
         "maxabs64": (out.double() - ref64.out).abs().max().item(),
@@ -134,8 +148,14 @@ def test_every_bucket_matches_reference(bound):
     for name, e in worst.items():
         print(f"  {name}: rel L2 {e['rel64']:.2e} vs float64 (worst route {e['worst_route']:.2e}, "
               f"max abs {e['maxabs64']:.3e}); vs float32 {e['rel32']:.2e} "
-              f"(max abs {e['maxabs32']:.3e})")  # fmt: skip
-    failed = {n: e["rel64"] for n, e in worst.items() if not e["rel64"] <= TOL}
+              f"(max abs {e['maxabs32']:.3e}); shared {e['shared64']:.2e}, "
+              f"layer {e['final64']:.2e}")  # fmt: skip
+    failed = {
+        (n, what): e[what]
+        for n, e in worst.items()
+        for what in ("rel64", "shared64", "final64")
+        if not e[what] <= TOL
+    }
     assert not failed, f"relative L2 error above {TOL}: {failed}"
 
 
@@ -152,10 +172,13 @@ def test_back_to_back_buckets(bound):
     for _ in range(2):
         for v in _variants(artifact):
             x, logits, bias = _inputs(artifact.shape, v.tokens, v.logits_dtype, gen)
-            calls.append((v, x, logits, bias, layer.mega(x, logits, bias)))
+            calls.append((v, x, logits, bias, layer.mega(x, logits, bias, shared=True)))
     torch.cuda.synchronize()
-    for v, x, logits, bias, (out, ids, w) in calls:
-        ref = moe_reference(x, logits, bias, weights[1], None, artifact.shape, torch.float64,
+    expert = weights[2] if artifact.shape.shared_experts else None
+    for v, x, logits, bias, (out, ids, w, shared) in calls:
+        ref = moe_reference(x, logits, bias, weights[1], expert, artifact.shape, torch.float64,
                             ids=ids)  # fmt: skip
         assert _rel_l2(out, ref.out) <= TOL, v.name
+        if shared is not None:
+            assert _rel_l2(shared, ref.shared) <= TOL, v.name
         torch.testing.assert_close(w, ref.weights, rtol=1e-5, atol=1e-7)

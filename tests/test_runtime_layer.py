@@ -1,6 +1,7 @@
-"""runtime.moe on the CPU: dispatch, padding, cropping, the shared expert and
-the layer's finalize, with the kernel launch replaced by the torch reference
-(the GPU tests launch the real cubins)."""
+"""runtime.moe on the CPU: dispatch, padding, cropping, the shared expert (the
+mega kernel's, or the torch fallback for mega variants without it) and the
+layer's finalize, with the kernel launch replaced by the torch reference (the
+GPU tests launch the real cubins)."""
 
 from __future__ import annotations
 
@@ -13,16 +14,28 @@ from runtime.errors import InputError
 from runtime.inputs import check_weights
 from runtime.layout import random_moe_weights
 from runtime.model import MoEShape
-from runtime.moe import MoELayer
-from runtime.reference import expert_forward, moe_reference, quantize_activations
+from runtime.moe import MoELayer, combine, computes_shared
+from runtime.reference import expert_forward, finalize, moe_reference, quantize_activations
 from runtime.shared_expert import SharedExpert
 
 SHAPE = MoEShape(**fx.SMALL_MODEL)
 CPU = torch.device("cpu")
 
 
-def _variant(kernel, tokens, dtype, finalize=False):
-    rec = fx.record(kernel, tokens=tokens, dtype=dtype, finalize=finalize)
+#: The sm_90a mega kernel's ABI with the shared expert (kernels/mega_moe_sm90.py).
+MEGA_SHARED = {
+    "params": [{"name": p, "kind": "pointer"}
+               for p in ("maps", "w13_scale", "w2_scale", "s13_scale", "s2_scale", "x", "logits",
+                         "bias", "rows1", "rows2", "out", "shared_out", "ids", "weights")],
+    "tensor_maps": ["w13", "w2", "s13", "s2"],
+}  # fmt: skip
+
+
+def _variant(kernel, tokens, dtype, finalize=False, shared=True):
+    """A variant record; mega ones with the shared expert unless ``shared``
+    is False (the older routed-only ABI)."""
+    extra = MEGA_SHARED if kernel == "mega" and shared else {}
+    rec = fx.record(kernel, tokens=tokens, dtype=dtype, finalize=finalize, **extra)
     return Variant(
         name=rec["name"], kernel=kernel, arch="sm_90a", tokens=tokens, logits_dtype=dtype,
         finalize=finalize, sms=132, entry=rec["entry"],
@@ -60,10 +73,10 @@ class ReferenceLayer(MoELayer):
         ref = moe_reference(x, logits, buffers["bias"], self.weights.routed,
                             self.weights.shared, SHAPE)  # fmt: skip
         results = {"out": ref.out, "ids": ref.ids.view(-1), "weights": ref.weights.view(-1)}
-        if variant.kernel == "grouped":
+        if computes_shared(variant):
             results["shared_out"] = ref.shared
-            if variant.finalize:
-                results["final"] = ref.final
+        if variant.finalize:
+            results["final"] = ref.final
         for name, value in results.items():
             if name not in self.skip:
                 buffers[name].copy_(value)
@@ -105,8 +118,8 @@ def test_layer_matches_reference_for_m(weights, m):
     ref = moe_reference(x, logits, bias, weights.routed, weights.shared, SHAPE)
     assert final.shape == (m, SHAPE.hidden) and final.dtype == torch.bfloat16
     assert not final.isnan().any()
-    # Same routes; only the shared expert's accumulation order (mega path) or
-    # nothing (grouped finalize) differs: a BF16 rounding at most.
+    # Same routes and shared rows; only the order of the weighted sum (mega
+    # path) or nothing (grouped finalize) differs: a BF16 rounding at most.
     assert _rel_l2(final, ref.final) < 4e-3
     name, padded_x, padded_logits = layer.calls[-1]
     bucket = padded_x.shape[0]
@@ -155,6 +168,57 @@ def test_layer_without_mega_or_bf16_variants(weights):
         layer(*_inputs(2, torch.bfloat16))
     with pytest.raises(InputError, match="no mega variant"):
         layer.mega(*_inputs(2))
+
+
+def test_mega_path_takes_the_kernels_shared_rows(weights):
+    """A mega variant with ``shared_out``: the layer adds the kernel's rows
+    (left unwritten, they poison the output) and needs no torch expert."""
+    layer = _layer(weights, poison=True, skip=("shared_out",))
+    assert layer.shared_expert is None
+    for m in (1, 3):
+        assert layer(*_inputs(m)).isnan().all()
+        out, ids, w, shared = layer.mega(*_inputs(m), shared=True)
+        assert shared.shape == (m, SHAPE.hidden) and shared.isnan().all()
+        assert not out.isnan().any() and not w.isnan().any()
+    layer = _layer(weights, poison=True)
+    x, logits, bias = _inputs(3)
+    out, ids, w, shared = layer.mega(x, logits, bias, shared=True)
+    ref = moe_reference(x, logits, bias, weights.routed, weights.shared, SHAPE)
+    assert shared.dtype == torch.bfloat16 and _rel_l2(shared, ref.shared) < 4e-3
+    assert len(layer.mega(x, logits, bias)) == 3
+
+
+def test_mega_variants_without_shared_fall_back_to_torch(weights):
+    """Routed-only mega variants (older ABI): the torch shared expert fills
+    in, for the layer and for ``mega(shared=True)``."""
+    old = [_variant("mega", m, d, shared=False) for m in (1, 2, 3, 4)
+           for d in ("float32", "bfloat16")] + GLM5_LIKE[8:]  # fmt: skip
+    assert not any(computes_shared(v) for v in old[:8])
+    layer = _layer(weights, variants=old, poison=True)
+    assert layer.shared_expert is not None
+    for m in (1, 2, 4):
+        x, logits, bias = _inputs(m)
+        ref = moe_reference(x, logits, bias, weights.routed, weights.shared, SHAPE)
+        assert _rel_l2(layer(x, logits, bias), ref.final) < 4e-3
+        *_, shared = layer.mega(x, logits, bias, shared=True)
+        assert _rel_l2(shared, ref.shared) < 4e-3
+
+
+@pytest.mark.parametrize("with_shared", [True, False])
+def test_combine_matches_finalize(with_shared):
+    """``combine`` = runtime.reference.finalize on BF16 rows, within one BF16
+    rounding of the result (only the FP32 summation order differs)."""
+    m, k, h = 3, 8, 512
+    out = (torch.randn(m * k, h) * 4).to(torch.bfloat16)
+    weights = torch.rand(m, k)
+    shared = (torch.randn(m, h) * 4).to(torch.bfloat16) if with_shared else None
+    got = combine(out, weights, shared)
+    want = finalize(out.float(), weights, None if shared is None else shared.float(), k)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, h)
+    assert bool(((got.float() - want).abs() <= want.abs() * 2**-8 + 1e-6).all())
+    exact = finalize(out.double(), weights.double(),
+                     None if shared is None else shared.double(), k, rounded=False)  # fmt: skip
+    assert _rel_l2(got, exact) < 4e-3
 
 
 def test_shared_expert_matches_reference(weights):
