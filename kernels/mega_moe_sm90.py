@@ -1,10 +1,17 @@
-"""Routed experts of a few decode tokens as one kernel on Hopper (sm_90a).
+"""Routed and shared experts of a few decode tokens as one kernel on Hopper
+(sm_90a).
 
 Every (token, expert) route of M tokens (M = 1..4) runs in one 8-CTA cluster in
 one launch: routing, FP8 activation quantization, GEMM1 with block scales,
 clamped SwiGLU, FP8 hidden quantization and GEMM2, writing one unweighted BF16
 row per route (``out[token * top_k + k]``), the expert ``ids`` and the routing
-``weights``. This is the seed's MegaExperts (``shared/seeds/mega_moe.clean.txt``)
+``weights``. With a shared expert (``spec.shared_experts == 1``) M more
+clusters, first in the grid, run it for each token with the same per-route
+code (tensor maps s13/s2 = maps 2 and 3, expert 0, scales ``s13_scale`` /
+``s2_scale``) and write the unweighted row ``shared_out[token]``; they need no
+routing, so their producer streams weights before ``griddepcontrol.wait``
+(only x waits). Without one the kernel has the routed-only ABI
+(``ROUTED_PARAMS``, maps w13/w2). This is the seed's MegaExperts (``shared/seeds/mega_moe.clean.txt``)
 ported from tcgen05/TMEM to warpgroup MMA with register accumulators, with a
 different work split (below).
 
@@ -23,7 +30,12 @@ GPC, and only 7 such 16-SM sets exist, so a 1-token call's 8 routes put two
 clusters on one set (those SMs then carry two CTAs and finish last: 18.0 us
 against 14.5-16.4 us for the others), and 2 tokens (16 routes) already need
 a second wave at 2 CTAs per SM (14 resident clusters): 37 us for M=2. 8-CTA
-clusters fit 15 (1 CTA/SM), 30 (2/SM) or more (3/SM) at a time.
+clusters fit 15 (1 CTA/SM), 30 (2/SM) or 45 (3/SM) at a time
+(``cuOccupancyMaxActiveClusters`` of the built variants on the H200), and a
+call needs M * (top_k + 1) = 9, 18, 27, 36 of them: ``STAGES`` picks per
+bucket the deepest ring at the fewest CTAs per SM that still holds them all
+(10 stages at 1/SM for M=1; 6 at 2/SM for M=2, 3; 3 at 3/SM for M=4, where 4/SM
+would leave 2 stages and need <= 102 registers against 118).
 
 Block scales (not powers of two) are applied in the epilogue with the
 "column trick": K block kb's token (hidden block) is B column kb % 8 of a
@@ -41,20 +53,33 @@ released one ``wgmma.wait_group`` after it was issued. The ring depth is
 chosen per token bucket (``STAGES``) so that every route's cluster is
 resident at once.
 
-Measured on the H200 (2026-11-29; a CUDA graph of 40 calls with rotating
-inputs, so that each call streams other experts: L2 defeated; device copy
-bandwidth that run 4.24 TB/s; bytes = distinct experts x 6 MiB):
+Measured on the H200 (2026-11-29; CUDA graphs of 8 calls, each on its own
+inputs, so each call streams other experts: L2 defeated; median of 15
+replays; MB = distinct routed experts (the means of the routed-only run
+below) plus the shared expert, 6.29 MB each; % of the 4.24 TB/s device copy
+bandwidth measured earlier). ``layer`` is ``MoELayer.__call__``: the kernel
+plus ``runtime.moe.combine`` (4 torch kernels, ~12.5 us at every M):
 
-  ====  =========  =======  =======  ===========  ==============================
-  M     time/call  MB       TB/s     % of copy    ring (stages x 16 KB), CTA/SM
-  ====  =========  =======  =======  ===========  ==============================
-  1     16.45 us   50.3     3.06     72 %         10, 1
-  2     28.6 us    97       3.40     80 %         6, 2
-  3     41.1 us    140      3.41     80 %         6, 2
-  4     51.2 us    177      3.46     82 %         3, 3
-  ====  =========  =======  =======  ===========  ==============================
+  ====  =========  =========  =======  =======  =========  =================
+  M     mega       layer      MB       TB/s     % of copy  stages, CTA/SM
+  ====  =========  =========  =======  =======  =========  =================
+  1     19.60 us   32.1 us    56.6     2.89     68 %       10, 1
+  2     30.26 us   43.3 us    103      3.41     80 %       6, 2
+  3     42.81 us   56.2 us    146      3.42     81 %       6, 2
+  4     50.11 us   62.8 us    183      3.66     86 %       3, 3
+  ====  =========  =========  =======  =======  =========  =================
 
-Alternatives measured the same way:
+The layer took 150-200 us at M <= 4 before (shared expert in torch on FP32
+weights, top-k loop finalize). Shared routes waiting on
+``griddepcontrol.wait`` like the others (``early_shared=False``), same run:
+mega 19.76, 30.52, 42.00, 51.77 us (M = 1..4): streaming them early is worth
+0.2-1.7 us except at M=3 (+0.8 us), so it is on by default.
+
+The routed-only kernel (no shared routes; 2026-11-29, graphs of 40 calls):
+M=1 16.45 us (50.3 MB, 3.06 TB/s, 72 %), M=2 28.6 us (97 MB, 80 %), M=3
+41.1 us (140 MB, 80 %), M=4 51.2 us (177 MB, 82 %), at the same stages.
+
+Alternatives measured the same way (routed-only kernel):
   * the seed's split (16-CTA clusters, 2 CTAs/SM, 5 stages): M=1 18.5-19.0 us,
     M=2 37.3, M=3 46.9, M=4 62.4 (see the cluster note above);
   * M=1 with 13 stages 16.60 us, with 6 stages at 2 CTAs/SM 16.74 us;
@@ -64,7 +89,7 @@ Alternatives measured the same way:
     cannot hold when GEMM1 ends ("late"): M=1 17.67 us; all of them once the
     ring is full ("early", 16-CTA version): +2.4 us. Off by default.
   * one K-half partial exchange hop fewer (16-CTA version): -0.5 us at M=1.
-Where the time goes at M=1 (``%globaltimer`` stamps, medians from the first
+Where the time goes at M=1 (routed-only; ``%globaltimer`` stamps, medians from the first
 CTA's start): past ``griddepcontrol.wait`` 0.6 us, the producer's expert
 known 1.8 us (logits load + top-k up to its round), first weight stage in
 4.7 us, GEMM1 done 11.0 us, all hidden blocks in 12.2 us, last CTA done
@@ -72,7 +97,9 @@ known 1.8 us (logits load + top-k up to its round), first weight stage in
 
 Accuracy on the H200 (every bucket, both logits dtypes, UE8M0 off and on):
 ids exact, weights within 3e-7 relative, out 2-6e-3 relative L2 against the
-float64 reference (2e-2 for the worst single route). GEMM1 rows alone: 1.3e-4
+float64 reference (2e-2 for the worst single route), shared_out 1.7-5.5e-3
+per call (once 1.2e-2 for a 2-row call: one route's hidden code flip), the
+layer's output 2.6-5.0e-3. GEMM1 rows alone: 1.3e-4
 (the tensor cores' FP8 accumulation), the rest is hidden FP8 codes it flips.
 """
 
@@ -116,9 +143,10 @@ ROUTED_PARAMS = ("maps", "w13_scale", "w2_scale", "x", "logits", "bias", "rows1"
 ROUTED_MAPS = ("w13", "w2")
 WG_BARRIER = 1  # named barrier of the MMA warpgroup (0 is __syncthreads)
 
-#: Ring depth and CTAs per SM per token bucket: M routes x 8 CTAs must all be
-#: resident (hopper.md's occupancy table for 8-CTA clusters), and with fewer
-#: CTAs per SM each needs more bytes in flight.
+#: Ring depth and CTAs per SM per token bucket: M * (top_k + 1) clusters of 8
+#: CTAs (9, 18, 27, 36 for top_k 8 with the shared expert) must all be
+#: resident (H200: 15 at 1 CTA/SM, 30 at 2, 45 at 3), and with fewer CTAs per
+#: SM each needs more bytes in flight.
 STAGES = {1: (10, 1), 2: (6, 2), 3: (6, 2), 4: (3, 3)}
 
 

@@ -18,8 +18,9 @@ Calls the mega kernel serves: mega variants with a ``shared_out`` parameter
 compute the shared expert in extra routes of the same launch; for older ones
 the layer computes it in torch (runtime.shared_expert, slow). The layer then
 weights and adds the routes and the shared row in torch (``combine``: FP32,
-four small kernels, no host sync; the grouped kernel's in-kernel finalize
-does the same sum in top-k order).
+four small kernels, no host sync; ~12.5 us on the H200 in a CUDA graph, next
+to 20-50 us of mega kernel at M = 1..4; the grouped kernel's in-kernel
+finalize does the same sum in top-k order).
 """
 
 from __future__ import annotations

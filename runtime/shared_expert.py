@@ -1,9 +1,12 @@
-"""The shared expert in torch, for layer calls the mega kernel serves.
+"""The shared expert in torch, for layer calls served by mega variants built
+without it.
 
-The mega kernel computes routed experts only, and no kernel of ours runs the
-shared expert alone, so the layer computes it here with the same math as the
-kernels (runtime.reference's FP8 quantizers and clamped SwiGLU, per-K-block
-FP32 partials scaled by weight and activation block scales).
+Current mega variants compute the shared expert themselves (a ``shared_out``
+parameter); older ones computed routed experts only, and no kernel of ours
+runs the shared expert alone, so for those the layer computes it here with
+the same math as the kernels (runtime.reference's FP8 quantizers and clamped
+SwiGLU, per-K-block FP32 partials scaled by weight and activation block
+scales).
 
 Known cost: the weights are held de-interleaved in FP32 (12 x H x I bytes:
 24 MiB per layer for H = 4096, I = 512, next to the 6 MiB FP8 original), and
