@@ -11,23 +11,20 @@ the right numbers. The plan formulas themselves are tested in
 
 from __future__ import annotations
 
-import json
-import os
-import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from sass_tools import compile_specs, count, cuobjdump, glm5_specs, resources, sass_counts
 
-from kernels import grouped_moe_sm100 as grouped
-from kernels import grouped_plan as gp
-from kernels.grouped_common import THREADS
-from kernels.ptx import tcgen05 as tc
-from kernels.spec import PARAMETER_NAMES, KernelSpec
+pytest.importorskip("cutlass")  # the kernel modules are device code
+
+from kernels import grouped_moe_sm100 as grouped  # noqa: E402
+from kernels import grouped_plan as gp  # noqa: E402
+from kernels.grouped_common import THREADS  # noqa: E402
+from kernels.ptx import tcgen05 as tc  # noqa: E402
+from kernels.spec import PARAMETER_NAMES, KernelSpec  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-CONFIG = REPO / "configs" / "glm5.yaml"
 BUCKETS = (8, 16, 32, 48, 64)
 SMS = 148  # configs/glm5.yaml's sm_100a target
 REGISTERS_PER_SM = 65536
@@ -118,74 +115,11 @@ SUBSET = (
     "grouped-sm_100a-m64-bfloat16-final",
 )
 
-_COMPILE = r"""
-import json, sys, time
-from pathlib import Path
-from kernels.registry import prepare_process
-prepare_process("sm_100a")
-from kernels.registry import compile_variant
-from pipeline.config import load_config
-from pipeline.variants import expand
-
-out, config, wanted = Path(sys.argv[1]), load_config(sys.argv[2]), set(sys.argv[3].split(","))
-records = []
-for v in expand(config, archs=["sm_100a"], kernels=["grouped"]):
-    if v.name not in wanted:
-        continue
-    start = time.perf_counter()
-    ck = compile_variant(v.spec(config))
-    seconds = time.perf_counter() - start
-    (out / (v.name + ".cubin")).write_bytes(ck.cubin)
-    records.append({
-        "name": v.name, "tokens": v.tokens, "finalize": v.finalize, "sms": v.sms,
-        "seconds": round(seconds, 2), "entry": ck.entry,
-        "params": [[p.name, p.kind] for p in ck.params],
-        "grid": ck.launch.grid, "block": ck.launch.block, "cluster": ck.launch.cluster,
-        "smem": ck.launch.smem, "pdl": ck.launch.pdl, "maps": ck.tensor_maps,
-        "workspace": [[w.name, w.bytes, w.zero] for w in ck.workspace],
-        "notes": ck.notes,
-    })
-(out / "records.json").write_text(json.dumps(records))
-"""
-
-
-def cuobjdump() -> str:
-    found = [p for p in sorted(Path(sys.prefix).rglob("cuobjdump"))
-             if p.is_file() and os.access(p, os.X_OK)]  # fmt: skip
-    if not found:
-        pytest.skip("cuobjdump (nvidia-cuda-cuobjdump wheel) is not installed")
-    return str(found[0])
-
-
-def sass_counts(tool: str, cubin: Path) -> dict[str, int]:
-    sass = subprocess.run([tool, "--dump-sass", str(cubin)], capture_output=True, text=True,
-                          check=True).stdout  # fmt: skip
-    counts: dict[str, int] = {}
-    for op in re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)", sass):
-        counts[op] = counts.get(op, 0) + 1
-    return counts
-
-
-def resources(tool: str, cubin: Path) -> dict[str, int]:
-    text = subprocess.run([tool, "--dump-resource-usage", str(cubin)], capture_output=True,
-                          text=True, check=True).stdout  # fmt: skip
-    return {k: int(v) for k, v in re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", text)}
-
-
-def count(counts: dict[str, int], prefix: str) -> int:
-    return sum(n for op, n in counts.items() if op == prefix or op.startswith(prefix + "."))
-
 
 @pytest.mark.compile
 def test_representative_glm5_grouped_buckets_build_for_sm100a(tmp_path):
     tool = cuobjdump()
-    env = {**os.environ, "CUTE_DSL_ARCH": "sm_100a", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(
-        [sys.executable, "-c", _COMPILE, str(tmp_path), str(CONFIG), ",".join(SUBSET)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1800,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    records = json.loads((tmp_path / "records.json").read_text())
+    records = compile_specs("sm_100a", glm5_specs("sm_100a", "grouped", SUBSET), tmp_path)
     assert sorted(r["name"] for r in records) == sorted(SUBSET)
     for r in records:
         cubin = tmp_path / (r["name"] + ".cubin")

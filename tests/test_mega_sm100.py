@@ -9,22 +9,19 @@ the right numbers.
 
 from __future__ import annotations
 
-import json
-import os
-import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from sass_tools import compile_specs, count, cuobjdump, glm5_specs, resources, sass_counts
 
-from kernels import mega_moe_sm100 as mega
-from kernels.grouped_plan import SMEM_LIMIT, SMEM_OPTIN
-from kernels.ptx import tcgen05 as tc
-from kernels.spec import PARAMETER_NAMES
+pytest.importorskip("cutlass")  # the kernel module is device code
+
+from kernels import mega_moe_sm100 as mega  # noqa: E402
+from kernels.grouped_plan import SMEM_LIMIT, SMEM_OPTIN  # noqa: E402
+from kernels.ptx import tcgen05 as tc  # noqa: E402
+from kernels.spec import PARAMETER_NAMES  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-CONFIG = REPO / "configs" / "glm5.yaml"
 GLM5 = {"hidden": 4096, "inter": 512, "experts": 288, "top_k": 8}
 #: Shared memory of one SM on B200 (228 KiB) and the 1 KiB the system reserves
 #: per CTA; two mega CTAs must fit (``min_blocks_per_mp=2``).
@@ -194,83 +191,11 @@ def test_params_follow_the_contract():
 
 # -- compiled for sm_100a ----------------------------------------------------------------
 
-_COMPILE = r"""
-import json, sys, time
-from pathlib import Path
-from kernels.registry import prepare_process
-prepare_process("sm_100a")
-from kernels.registry import compile_variant
-from pipeline.config import load_config
-from pipeline.variants import expand
-
-out, config = Path(sys.argv[1]), load_config(sys.argv[2])
-records = []
-wanted = set(sys.argv[4].split(",")) if len(sys.argv) > 4 else None
-for v in expand(config, archs=["sm_100a"], kernels=[sys.argv[3]]):
-    if wanted is not None and v.name not in wanted:
-        continue
-    start = time.perf_counter()
-    ck = compile_variant(v.spec(config))
-    seconds = time.perf_counter() - start
-    (out / (v.name + ".cubin")).write_bytes(ck.cubin)
-    records.append({
-        "name": v.name, "tokens": v.tokens, "top_k": config.model.top_k,
-        "seconds": round(seconds, 2), "entry": ck.entry,
-        "params": [[p.name, p.kind] for p in ck.params],
-        "grid": ck.launch.grid, "block": ck.launch.block, "cluster": ck.launch.cluster,
-        "smem": ck.launch.smem, "pdl": ck.launch.pdl, "maps": ck.tensor_maps,
-        "workspace": [[w.name, w.bytes, w.zero] for w in ck.workspace],
-        "notes": ck.notes,
-    })
-(out / "records.json").write_text(json.dumps(records))
-"""
-
-
-def cuobjdump() -> str:
-    found = sorted(Path(sys.prefix).rglob("cuobjdump"))
-    found = [p for p in found if p.is_file() and os.access(p, os.X_OK)]
-    if not found:
-        pytest.skip("cuobjdump (nvidia-cuda-cuobjdump wheel) is not installed")
-    return str(found[0])
-
-
-def compile_all(kernel: str, tmp_path: Path, names: list[str] | None = None) -> list[dict]:
-    """Compiles the sm_100a variants of ``kernel`` in glm5.yaml (all, or
-    those ``names``) in a fresh process started for sm_100a (cwd: a temporary
-    directory, so nothing the DSL dumps lands in the repository)."""
-    env = {**os.environ, "CUTE_DSL_ARCH": "sm_100a", "PYTHONPATH": str(REPO)}
-    only = [",".join(names)] if names else []
-    proc = subprocess.run(
-        [sys.executable, "-c", _COMPILE, str(tmp_path), str(CONFIG), kernel, *only],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1800,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads((tmp_path / "records.json").read_text())
-
-
-def sass_counts(tool: str, cubin: Path) -> dict[str, int]:
-    sass = subprocess.run([tool, "--dump-sass", str(cubin)], capture_output=True, text=True,
-                          check=True).stdout  # fmt: skip
-    counts: dict[str, int] = {}
-    for op in re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)", sass):
-        counts[op] = counts.get(op, 0) + 1
-    return counts
-
-
-def resources(tool: str, cubin: Path) -> dict[str, int]:
-    text = subprocess.run([tool, "--dump-resource-usage", str(cubin)], capture_output=True,
-                          text=True, check=True).stdout  # fmt: skip
-    return {k: int(v) for k, v in re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", text)}
-
-
-def count(counts: dict[str, int], prefix: str) -> int:
-    return sum(n for op, n in counts.items() if op == prefix or op.startswith(prefix + "."))
-
 
 @pytest.mark.compile
 def test_every_glm5_mega_bucket_builds_for_sm100a(tmp_path):
     tool = cuobjdump()
-    records = compile_all("mega", tmp_path)
+    records = compile_specs("sm_100a", glm5_specs("sm_100a", "mega"), tmp_path)
     assert sorted((r["tokens"], r["name"].split("-")[-1]) for r in records) == [
         (m, dtype) for m in (1, 2, 3, 4) for dtype in ("bfloat16", "float32")
     ]

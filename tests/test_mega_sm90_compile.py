@@ -11,19 +11,13 @@ What the kernel computes is checked on the H200 (``test_mega_sm90_gpu.py``).
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
-import sys
-from dataclasses import asdict
-from pathlib import Path
 
 import pytest
+from sass_tools import compile_specs, count, cuobjdump, resources, sass_counts
 
 from kernels.spec import PARAMETER_NAMES, KernelSpec
 
-REPO = Path(__file__).resolve().parents[1]
 ENTRY = "moe_mega_sm90_0"
 MEGA_PARAMS = ("maps", "w13_scale", "w2_scale", "s13_scale", "s2_scale", "x", "logits", "bias",
                "rows1", "rows2", "out", "shared_out", "ids", "weights")  # fmt: skip
@@ -44,39 +38,6 @@ def spec(tokens, dtype="float32", ue8m0=False, shared=1) -> KernelSpec:
 SPECS = [spec(1), spec(2, "bfloat16", ue8m0=True), spec(4, "float32", ue8m0=True),
          spec(4, shared=0)]  # fmt: skip
 
-_COMPILE = r"""
-import json, sys, time
-from pathlib import Path
-from kernels.registry import prepare_process
-prepare_process("sm_90a")
-from kernels.registry import compile_variant
-from kernels.spec import KernelSpec
-
-out = Path(sys.argv[1])
-records = []
-for i, fields in enumerate(json.loads(sys.argv[2])):
-    start = time.perf_counter()
-    ck = compile_variant(KernelSpec(**fields))
-    (out / f"{i}.cubin").write_bytes(ck.cubin)
-    (out / f"{i}.ptx").write_text(ck.ptx or "")
-    records.append({
-        "seconds": round(time.perf_counter() - start, 2), "entry": ck.entry,
-        "params": [[p.name, p.kind] for p in ck.params], "grid": ck.launch.grid,
-        "block": ck.launch.block, "cluster": ck.launch.cluster, "smem": ck.launch.smem,
-        "pdl": ck.launch.pdl, "maps": ck.tensor_maps,
-        "workspace": [[w.name, w.bytes, w.zero] for w in ck.workspace], "notes": ck.notes,
-    })
-(out / "records.json").write_text(json.dumps(records))
-"""
-
-
-def cuobjdump() -> str:
-    found = sorted(Path(sys.prefix).rglob("cuobjdump"))
-    found = [p for p in found if p.is_file() and os.access(p, os.X_OK)]
-    if not found:
-        pytest.skip("cuobjdump (nvidia-cuda-cuobjdump wheel) is not installed")
-    return str(found[0])
-
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
@@ -84,32 +45,8 @@ def built(tmp_path_factory):
     read when cutlass is first imported; cwd a temporary directory so that
     nothing the DSL dumps lands in the repository)."""
     out = tmp_path_factory.mktemp("mega90")
-    env = {**os.environ, "CUTE_DSL_ARCH": "sm_90a", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(
-        [sys.executable, "-c", _COMPILE, str(out), json.dumps([asdict(s) for s in SPECS])],
-        cwd=out, env=env, capture_output=True, text=True, timeout=1800,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return out, json.loads((out / "records.json").read_text())
-
-
-def sass_counts(tool: str, cubin: Path) -> dict[str, int]:
-    sass = subprocess.run([tool, "--dump-sass", str(cubin)], capture_output=True, text=True,
-                          check=True).stdout  # fmt: skip
-    counts: dict[str, int] = {}
-    for op in re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)", sass):
-        counts[op] = counts.get(op, 0) + 1
-    return counts
-
-
-def resources(tool: str, cubin: Path) -> dict[str, int]:
-    text = subprocess.run([tool, "--dump-resource-usage", str(cubin)], capture_output=True,
-                          text=True, check=True).stdout  # fmt: skip
-    return {k: int(v) for k, v in re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", text)}
-
-
-def count(counts: dict[str, int], prefix: str) -> int:
-    return sum(n for op, n in counts.items() if op == prefix or op.startswith(prefix + "."))
+    records = compile_specs("sm_90a", [(str(i), s) for i, s in enumerate(SPECS)], out)
+    return out, records
 
 
 @pytest.mark.compile
