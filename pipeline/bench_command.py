@@ -60,6 +60,8 @@ def bench(artifact, tokens, routings, reps, seed, json_out, plot_out) -> None:
         b.plot(result, plot_out)
         click.echo(f"wrote {plot_out}", err=True)
     click.echo(table(result))
+    click.echo("")
+    click.echo(summary(result))
     wrong = [r for r in rows if not r.correct]
     if wrong:
         for r in wrong:
@@ -87,5 +89,34 @@ def table(result: dict) -> str:
             f"| {r['routing']} | {r['tokens']} | {kernel} | {r['distinct_experts']} | "
             f"{r['weight_bytes'] / 1e6:.1f} | {r['time_us']:.1f} | {r['tb_s']:.2f} | "
             f"{100 * r['floor_fraction']:.0f}% | {speed} | {r['rel_l2']:.1e} |"
+        )
+    return "\n".join(lines)
+
+
+def summary(result: dict) -> str:
+    """One line per (routing, M): the layer entry, the fastest kernel variant
+    that serves M directly, and the torch baseline (the README's table)."""
+    lines = [
+        f"{result['device']}, copy bandwidth {result['copy_tb_s']:.2f} TB/s "
+        f"(commit {result['commit'][:9]}, {result['date'][:10]})",
+        "",
+        "| routing | M | layer (us) | layer % of copy | fastest kernel | kernel (us) | "
+        "kernel % of copy | torch (us) | layer vs torch |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    rows = result["rows"]
+    keys = sorted({(r["routing"], r["tokens"]) for r in rows}, key=lambda k: (k[0], k[1]))
+    for routing, m in keys:
+        here = [r for r in rows if r["routing"] == routing and r["tokens"] == m]
+        layer = next(r for r in here if r["kernel"] == "layer")
+        base = next(r for r in here if r["kernel"] == "baseline")
+        direct = [r for r in here if r["kernel"] in ("mega", "grouped")
+                  and r.get("bucket") in (None, m)]  # fmt: skip
+        best = min(direct, key=lambda r: r["time_us"])
+        name = best["kernel"] + (" (final)" if best.get("finalize") else "")
+        lines.append(
+            f"| {routing} | {m} | {layer['time_us']:.1f} | {100 * layer['floor_fraction']:.0f}% "
+            f"| {name} | {best['time_us']:.1f} | {100 * best['floor_fraction']:.0f}% | "
+            f"{base['time_us']:.0f} | {layer['speedup_vs_baseline']:.0f}x |"
         )
     return "\n".join(lines)
