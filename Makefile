@@ -41,7 +41,8 @@ format: install
 
 ## bench: on a GPU machine, time the kernels of $(OUT) against the HBM floor and torch
 bench: install
-	$(VENV)/bin/moe-build bench $(OUT) --json benchmarks/results/latest.json
+	$(VENV)/bin/moe-build bench $(OUT) --routing random --routing skewed \
+		--json benchmarks/results/latest.json --plot benchmarks/results/latest.png
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
