@@ -33,7 +33,7 @@ FP8 pair); the ``rows`` table is not read (the shuffle is the layout's
 contract, semantics.md).
 
 Choices and why (measured on the H200, 2026-11-29, glm5 shard: H 4096,
-I 512, 288 experts, top-8, 132 CTAs):
+I 512, 288 experts, top-8, one CTA per SM of the H200):
 
 * K-block partials in separate accumulator sets, no wait between K blocks of
   a stage, one ``wait_group 0`` per stage: the consumer is not the bottleneck

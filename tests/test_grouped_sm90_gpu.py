@@ -21,11 +21,11 @@ hidden FP8 rounding that follows from it, design/semantics.md).
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 import pytest
+from gpu_artifacts import artifact_paths, bind_fresh
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -36,31 +36,11 @@ TIE = 1e-6  # keys closer than this may be ordered differently (approximate sigm
 DTYPES = ("float32", "bfloat16")
 
 
-def _paths():
-    joined = os.environ.get("MOE_GROUPED_ARTIFACTS") or os.environ.get("MOE_BUILD_ARTIFACT")
-    return [Path(p) for p in joined.split(os.pathsep)] if joined else []
-
-
-@pytest.fixture(scope="module", params=_paths() or [None], ids=lambda p: p.name if p else "none")
+@pytest.fixture(scope="module", params=artifact_paths("MOE_GROUPED_ARTIFACTS") or [None],
+                ids=lambda p: p.name if p else "none")  # fmt: skip
 def bound(request):
     """(artifact, layer, (prepared, routed, shared)) of one artifact."""
-    torch = pytest.importorskip("torch")
-    if request.param is None:
-        pytest.skip("set MOE_GROUPED_ARTIFACTS or MOE_BUILD_ARTIFACT")
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    if not request.param.exists():
-        pytest.skip(f"{request.param} does not exist")
-    import runtime
-    from runtime.layout import random_moe_weights
-
-    device = torch.device("cuda", torch.cuda.current_device())
-    artifact = runtime.load(request.param, device)
-    if not any(v.kernel == "grouped" and v.arch == "sm_90a" for v in artifact.variants):
-        pytest.skip(f"{request.param} holds no sm_90a grouped variant")
-    gen = torch.Generator(device).manual_seed(torch.seed() % 2**31)
-    weights = random_moe_weights(artifact.shape, gen)
-    return artifact, artifact.bind(weights[0], poison=True), weights
+    return bind_fresh(request.param, "MOE_GROUPED_ARTIFACTS", "grouped")
 
 
 def _variants(artifact):
