@@ -24,7 +24,6 @@ accumulators and close FC1 pairs / store FC2 rows.
 
 from __future__ import annotations
 
-import re
 import tempfile
 
 import cutlass
@@ -38,7 +37,14 @@ from kernels import ptx
 from kernels.grouped_common import THREADS, GroupedCommon, RowFragment, Tables
 from kernels.ptx import tcgen05 as tc
 from kernels.shapes import TILE
-from kernels.spec import CompiledKernel, KernelSpec, LaunchShape, Param, Workspace
+from kernels.spec import (
+    CompiledKernel,
+    KernelSpec,
+    LaunchShape,
+    Param,
+    Workspace,
+    entry_from_ptx,
+)
 
 ARCH = "sm_100a"
 ENTRY_PREFIX = "moe_grouped_sm100"
@@ -354,7 +360,7 @@ def compile_kernel(spec: KernelSpec) -> CompiledKernel:
     }
     return CompiledKernel(
         cubin=bytes(cubin),
-        entry=_entry_name(ptx_text),
+        entry=entry_from_ptx(ptx_text, ENTRY_PREFIX),
         params=tuple(Param(name, "pointer") for name in PARAMS),
         launch=LaunchShape(
             grid=(plan.grid, 1, 1),
@@ -368,10 +374,3 @@ def compile_kernel(spec: KernelSpec) -> CompiledKernel:
         ptx=ptx_text,
         notes=notes,
     )
-
-
-def _entry_name(ptx_text: str) -> str:
-    names = re.findall(r"\.visible \.entry (\w+)\(", ptx_text)
-    if len(names) != 1 or not names[0].startswith(ENTRY_PREFIX):
-        raise RuntimeError(f"expected one {ENTRY_PREFIX}* entry in the PTX, found {names}")
-    return names[0]

@@ -43,7 +43,6 @@ of alignment slack are not needed).
 
 from __future__ import annotations
 
-import re
 import tempfile
 from dataclasses import asdict, dataclass
 
@@ -57,7 +56,7 @@ from kernels import ptx
 from kernels.grouped_plan import SMEM_LIMIT
 from kernels.ptx import tcgen05 as tc
 from kernels.shapes import TILE
-from kernels.spec import CompiledKernel, KernelSpec, LaunchShape, Param
+from kernels.spec import CompiledKernel, KernelSpec, LaunchShape, Param, entry_from_ptx
 
 ARCH = "sm_100a"
 ENTRY_PREFIX = "moe_mega_sm100"
@@ -579,7 +578,7 @@ def compile_kernel(spec: KernelSpec) -> CompiledKernel:
         cubin, ptx_text = compiled.artifacts.CUBIN, compiled.artifacts.PTX
     if not cubin or not ptx_text:
         raise RuntimeError("the DSL kept no cubin/PTX for the mega kernel")
-    entry = _entry_name(ptx_text)
+    entry = entry_from_ptx(ptx_text, ENTRY_PREFIX)
     notes = {
         "stages": STAGES,
         "stage_bytes": STAGE_BYTES,
@@ -610,10 +609,3 @@ def compile_kernel(spec: KernelSpec) -> CompiledKernel:
         ptx=ptx_text,
         notes=notes,
     )
-
-
-def _entry_name(ptx_text: str) -> str:
-    names = re.findall(r"\.visible \.entry (\w+)\(", ptx_text)
-    if len(names) != 1 or not names[0].startswith(ENTRY_PREFIX):
-        raise RuntimeError(f"expected one {ENTRY_PREFIX}* entry in the PTX, found {names}")
-    return names[0]

@@ -13,6 +13,7 @@ the names are listed in ``PARAMETER_NAMES``.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 KERNELS = ("mega", "grouped")
@@ -126,3 +127,13 @@ class CompiledKernel:
     ptx: str | None = None
     #: Free-form facts worth recording (stage count, smem layout, ...).
     notes: dict = field(default_factory=dict)
+
+
+def entry_from_ptx(ptx_text: str, prefix: str) -> str:
+    """The one kernel entry a compile produced, read from its PTX; refuses PTX
+    with no entry, several, or one not named ``prefix``* (names are part of
+    the ABI the runtime resolves)."""
+    names = re.findall(r"\.visible \.entry (\w+)\(", ptx_text)
+    if len(names) != 1 or not names[0].startswith(prefix):
+        raise RuntimeError(f"expected one {prefix}* entry in the PTX, found {names}")
+    return names[0]
