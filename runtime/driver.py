@@ -80,14 +80,6 @@ def primary_context(ordinal: int):
     return check(cu.cuDevicePrimaryCtxRetain(device(ordinal)), "cuDevicePrimaryCtxRetain")
 
 
-def make_current(ordinal: int) -> None:
-    """Makes the device's primary context current on this thread if it is not
-    (launches on the legacy default stream run in the current context)."""
-    ctx = primary_context(ordinal)
-    if int(check(cu.cuCtxGetCurrent(), "cuCtxGetCurrent")) != int(ctx):
-        check(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
-
-
 @contextlib.contextmanager
 def context(ordinal: int):
     """The device's primary context pushed for the duration of the block."""

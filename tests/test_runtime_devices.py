@@ -48,7 +48,7 @@ class FakeDriver:
                      "unload_library", "library_kernel", "kernel_function", "function_attribute",
                      "set_function_attribute", "max_smem_optin", "sm_count", "launch_config",
                      "max_active_clusters", "max_active_blocks", "alloc", "free", "launch",
-                     "make_current", "context"):  # fmt: skip
+                     "context"):  # fmt: skip
             monkeypatch.setattr(driver, name, getattr(self, name))
         return self
 
@@ -110,6 +110,7 @@ class FakeDriver:
         self.freed.append((ordinal, pointer))
 
     def make_current(self, ordinal):
+        """Test set-up: what the thread's current context is before a call."""
         if self.contexts:
             self.contexts[-1] = ordinal
         else:
