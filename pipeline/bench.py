@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from runtime.model import MoEShape
-from runtime.reference import moe_reference, tie_margin
+from runtime.reference import moe_reference, rel_l2, tie_margin
 
 ROUTINGS = {"random": 0.1, "uniform": 0.0, "skewed": 1.0}  # bias standard deviation
 POOL = 8  # calls per captured graph, each on its own inputs
@@ -147,9 +147,9 @@ def time_eager(call, reps: int, warmup: int = 3) -> list[float]:
     return out
 
 
-def _rel_l2(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
-    diff = got.double() - want.double()
-    return (diff.norm() / want.double().norm()).item(), diff.abs().max().item()
+def _errors(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
+    """(relative L2, max-abs) error of ``got`` against ``want``."""
+    return rel_l2(got, want), (got.double() - want.double()).abs().max().item()
 
 
 def _env_fact(command: list[str], fallback: str = "unknown") -> str:
@@ -237,7 +237,7 @@ class Bench:
         if kind == "mega":
             out, ids, _ = layer.mega(x, logits, bias)
             ref = moe_reference(x, logits, bias, routed, shared, self.shape, torch.float64, ids=ids)
-            return (*_rel_l2(out, ref.out), ties)
+            return (*_errors(out, ref.out), ties)
         if kind == "grouped":
             if finalize:
                 final = layer.grouped(x, logits, bias, finalize=True)
@@ -247,13 +247,13 @@ class Bench:
                 ref = moe_reference(
                     x, logits, bias, routed, shared, self.shape, torch.float64, ids=ids
                 )
-                rel_out, mx_out = _rel_l2(out, ref.out)
-                rel_sh, mx_sh = _rel_l2(sh, ref.shared)
+                rel_out, mx_out = _errors(out, ref.out)
+                rel_sh, mx_sh = _errors(sh, ref.shared)
                 return max(rel_out, rel_sh), max(mx_out, mx_sh), ties
-            return (*_rel_l2(final, ref.final), ties)
+            return (*_errors(final, ref.final), ties)
         if kind == "layer":
-            return (*_rel_l2(layer(x, logits, bias), ref.final), ties)
-        return (*_rel_l2(self.baseline(x, logits, bias), ref.final), ties)
+            return (*_errors(layer(x, logits, bias), ref.final), ties)
+        return (*_errors(self.baseline(x, logits, bias), ref.final), ties)
 
     # Timed cases ----------------------------------------------------------------------
 

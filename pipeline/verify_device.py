@@ -49,17 +49,13 @@ def device_file_name(name: str) -> str:
     return f"verify-{slug}.json"
 
 
-def rel_l2(got, ref) -> float:
-    return ((got.double() - ref.double()).norm() / ref.double().norm()).item()
-
-
 def run_variant(layer, variant, shape, routed, shared, generator) -> dict:
     """One call of ``variant`` (through the bound ``layer``) with fresh random
     inputs on ``layer.device``, compared with the reference (module
     docstring); returns ``{"ok": bool, "<output>_rel_l2": x, ...}``."""
     import torch
 
-    from runtime.reference import moe_reference, tie_margin
+    from runtime.reference import moe_reference, rel_l2, tie_margin
 
     device = layer.device
     m = variant.tokens

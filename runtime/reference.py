@@ -279,3 +279,9 @@ def finalize(
     if shared is not None:
         total = total + shared.to(acc)
     return total
+
+
+def rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Relative L2 error ``|got - want| / |want|`` in float64: the one error
+    measure every kernel-vs-reference comparison reports."""
+    return ((got.double() - want.double()).norm() / want.double().norm()).item()

@@ -27,6 +27,8 @@ from pathlib import Path
 import pytest
 from gpu_artifacts import artifact_paths, bind_fresh
 
+from runtime.reference import rel_l2
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 pytestmark = pytest.mark.gpu
@@ -66,10 +68,6 @@ def _inputs(shape, m, dtype, routing, gen):
     return x, logits.to(getattr(torch, dtype)), bias
 
 
-def _rel_l2(got, want) -> float:
-    return ((got.double() - want.double()).norm() / want.double().norm()).item()
-
-
 def _reference(artifact, weights, x, logits, bias, ids=None):
     from runtime.reference import moe_reference
 
@@ -97,7 +95,7 @@ def _check_call(artifact, layer, weights, v, routing, gen):
         final = layer.grouped(x, logits, bias, finalize=True)
         torch.cuda.synchronize()
         assert not final.isnan().any(), v.name
-        return {"final": _rel_l2(final, ref.final)}, len(_units(artifact, ref.ids))
+        return {"final": rel_l2(final, ref.final)}, len(_units(artifact, ref.ids))
     out, ids, w, shared = layer.grouped(x, logits, bias)
     torch.cuda.synchronize()
     assert not out.isnan().any() and not shared.isnan().any() and not w.isnan().any(), v.name
@@ -106,7 +104,7 @@ def _check_call(artifact, layer, weights, v, routing, gen):
     assert bool((same | close).all()), f"{v.name}: routing differs on {(~same & ~close).nonzero()}"
     mine = _reference(artifact, weights, x, logits, bias, ids=ids)
     torch.testing.assert_close(w, mine.weights, rtol=1e-5, atol=1e-6)
-    errors = {"out": _rel_l2(out, mine.out), "shared": _rel_l2(shared, mine.shared)}
+    errors = {"out": rel_l2(out, mine.out), "shared": rel_l2(shared, mine.shared)}
     return errors, len(_units(artifact, ids))
 
 
@@ -141,7 +139,7 @@ def test_experts_with_more_than_a_unit_of_tokens(bound):
     counts = torch.bincount(ids.view(-1).long(), minlength=artifact.shape.experts)
     assert int(counts.max()) > 16 or big.tokens <= 16
     mine = _reference(artifact, weights, x, logits, bias, ids=ids)
-    assert _rel_l2(out, mine.out) < TOL and _rel_l2(shared, mine.shared) < TOL
+    assert rel_l2(out, mine.out) < TOL and rel_l2(shared, mine.shared) < TOL
 
 
 def test_back_to_back_calls_across_buckets(bound):
@@ -162,11 +160,11 @@ def test_back_to_back_calls_across_buckets(bound):
     for v, x, logits, bias, got in calls:
         ref = _reference(artifact, weights, x, logits, bias)
         if v.finalize:
-            assert _rel_l2(got, ref.final) < TOL, v.name
+            assert rel_l2(got, ref.final) < TOL, v.name
         else:
             mine = _reference(artifact, weights, x, logits, bias, ids=got[1])
-            assert _rel_l2(got[0], mine.out) < TOL, v.name
-            assert _rel_l2(got[3], mine.shared) < TOL, v.name
+            assert rel_l2(got[0], mine.out) < TOL, v.name
+            assert rel_l2(got[3], mine.shared) < TOL, v.name
 
 
 @pytest.mark.parametrize("finalize", [False, True])
@@ -200,11 +198,11 @@ def test_graph_replays_with_changing_inputs(bound, finalize):
             bias.copy_(pb)
             graph.replay()
             if finalize:
-                err = _rel_l2(got, ref.final)
+                err = rel_l2(got, ref.final)
             else:
-                err = _rel_l2(got[3], ref.shared)
+                err = rel_l2(got[3], ref.shared)
                 if bool((got[1] == ref.ids).all()):
-                    err = max(err, _rel_l2(got[0], ref.out))
+                    err = max(err, rel_l2(got[0], ref.out))
                 else:  # a near tie resolved the other way: routes not comparable
                     ties += 1
             worst = max(worst, err)

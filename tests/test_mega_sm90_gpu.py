@@ -38,6 +38,8 @@ from __future__ import annotations
 import pytest
 from gpu_artifacts import artifact_paths, bind_fresh
 
+from runtime.reference import rel_l2
+
 pytestmark = pytest.mark.gpu
 
 TOL = 1e-2  # relative L2 error of out against the float64 reference
@@ -68,10 +70,6 @@ def _inputs(shape, m, dtype, gen):
     logits = torch.randn(m, shape.experts, device=dev, generator=gen) * 2
     bias = torch.randn(shape.experts, device=dev, generator=gen) * 0.1
     return x, logits.to(getattr(torch, dtype)), bias
-
-
-def _rel_l2(got, want) -> float:
-    return ((got.double() - want.double()).norm() / want.double().norm()).item()
 
 
 def _check_call(artifact, layer, weights, v, gen) -> dict:
@@ -106,13 +104,13 @@ def _check_call(artifact, layer, weights, v, gen) -> dict:
     routes = (out.double() - ref64.out).norm(dim=1) / ref64.out.norm(dim=1)
     return {
         **_shared_errors(shared, ref64.shared),
-        "final64": _rel_l2(final, ref64.final),
+        "final64": rel_l2(final, ref64.final),
         "final_err2": (final.double() - ref64.final).pow(2).sum().item(),
         "final_ref2": ref64.final.pow(2).sum().item(),
-        "rel64": _rel_l2(out, ref64.out),
+        "rel64": rel_l2(out, ref64.out),
         "worst_route": routes.max().item(),
         "maxabs64": (out.double() - ref64.out).abs().max().item(),
-        "rel32": _rel_l2(out, ref32.out),
+        "rel32": rel_l2(out, ref32.out),
         "maxabs32": (out.double() - ref32.out.double()).abs().max().item(),
         "near_ties": int((~same).sum()),
     }
@@ -202,7 +200,7 @@ def test_back_to_back_buckets(bound):
     for v, x, logits, bias, (out, ids, w, shared) in calls:
         ref = moe_reference(x, logits, bias, weights[1], expert, artifact.shape, torch.float64,
                             ids=ids)  # fmt: skip
-        assert _rel_l2(out, ref.out) <= TOL, v.name
+        assert rel_l2(out, ref.out) <= TOL, v.name
         assert shared is None or not shared.isnan().any(), v.name
         errors.append(_shared_errors(shared, ref.shared))
         torch.testing.assert_close(w, ref.weights, rtol=1e-5, atol=1e-7)

@@ -12,6 +12,7 @@ from runtime.reference import (
     moe_reference,
     quantize_activations,
     quantize_hidden,
+    rel_l2,
     route,
     swiglu,
     tie_margin,
@@ -111,10 +112,6 @@ def _inputs(shape, m, g):
     return x, logits, bias, routed, shared
 
 
-def _rel_l2(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
 def test_float32_matches_float64():
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
     x, logits, bias, routed, shared = _inputs(SMALL, 6, g)
@@ -128,10 +125,10 @@ def test_float32_matches_float64():
     # close to an FP8 rounding boundary that the two round it apart: each such
     # flip moves this small layer's output by ~3e-4 (measured); 2e-3 allows a
     # few, and any real error in the math lands far above.
-    assert _rel_l2(r32.out, r64.out) < 2e-3
-    assert _rel_l2(r32.shared, r64.shared) < 2e-3
+    assert rel_l2(r32.out, r64.out) < 2e-3
+    assert rel_l2(r32.shared, r64.shared) < 2e-3
     # The float32 final sums BF16-rounded rows (as the kernels do): ~2e-3 measured.
-    assert _rel_l2(r32.final, r64.final) < 1e-2
+    assert rel_l2(r32.final, r64.final) < 1e-2
 
 
 def test_prepared_layout_gives_the_same_output():

@@ -15,7 +15,13 @@ from runtime.inputs import check_weights
 from runtime.layout import random_moe_weights
 from runtime.model import MoEShape
 from runtime.moe import MoELayer, combine, computes_shared
-from runtime.reference import expert_forward, finalize, moe_reference, quantize_activations
+from runtime.reference import (
+    expert_forward,
+    finalize,
+    moe_reference,
+    quantize_activations,
+    rel_l2,
+)
 from runtime.shared_expert import SharedExpert
 
 SHAPE = MoEShape(**fx.SMALL_MODEL)
@@ -105,10 +111,6 @@ def _inputs(m, dtype=torch.float32):
     return x, torch.randn(m, SHAPE.experts).to(dtype), torch.randn(SHAPE.experts) * 0.1
 
 
-def _rel_l2(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8, 9, 16, 31, 33, 48, 63, 64])
 def test_layer_matches_reference_for_m(weights, m):
     layer = _layer(weights, poison=True)
@@ -120,7 +122,7 @@ def test_layer_matches_reference_for_m(weights, m):
     assert not final.isnan().any()
     # Same routes and shared rows; only the order of the weighted sum (mega
     # path) or nothing (grouped finalize) differs: a BF16 rounding at most.
-    assert _rel_l2(final, ref.final) < 4e-3
+    assert rel_l2(final, ref.final) < 4e-3
     name, padded_x, padded_logits = layer.calls[-1]
     bucket = padded_x.shape[0]
     assert name.startswith("mega" if m <= 4 else "grouped")
@@ -184,7 +186,7 @@ def test_mega_path_takes_the_kernels_shared_rows(weights):
     x, logits, bias = _inputs(3)
     out, ids, w, shared = layer.mega(x, logits, bias, shared=True)
     ref = moe_reference(x, logits, bias, weights.routed, weights.shared, SHAPE)
-    assert shared.dtype == torch.bfloat16 and _rel_l2(shared, ref.shared) < 4e-3
+    assert shared.dtype == torch.bfloat16 and rel_l2(shared, ref.shared) < 4e-3
     assert len(layer.mega(x, logits, bias)) == 3
 
 
@@ -199,9 +201,9 @@ def test_mega_variants_without_shared_fall_back_to_torch(weights):
     for m in (1, 2, 4):
         x, logits, bias = _inputs(m)
         ref = moe_reference(x, logits, bias, weights.routed, weights.shared, SHAPE)
-        assert _rel_l2(layer(x, logits, bias), ref.final) < 4e-3
+        assert rel_l2(layer(x, logits, bias), ref.final) < 4e-3
         *_, shared = layer.mega(x, logits, bias, shared=True)
-        assert _rel_l2(shared, ref.shared) < 4e-3
+        assert rel_l2(shared, ref.shared) < 4e-3
 
 
 @pytest.mark.parametrize("with_shared", [True, False])
@@ -218,7 +220,7 @@ def test_combine_matches_finalize(with_shared):
     assert bool(((got.float() - want).abs() <= want.abs() * 2**-8 + 1e-6).all())
     exact = finalize(out.double(), weights.double(),
                      None if shared is None else shared.double(), k, rounded=False)  # fmt: skip
-    assert _rel_l2(got, exact) < 4e-3
+    assert rel_l2(got, exact) < 4e-3
 
 
 def test_shared_expert_matches_reference(weights):
@@ -229,7 +231,7 @@ def test_shared_expert_matches_reference(weights):
         xq, sx = quantize_activations(x, ue8m0)
         ref = expert_forward(xq, sx, weights.shared, 0, shape.swiglu_limit, torch.float64).y
         assert got.dtype == torch.bfloat16 and got.shape == (4, SHAPE.hidden)
-        assert _rel_l2(got, ref) < 4e-3
+        assert rel_l2(got, ref) < 4e-3
 
 
 def test_custom_table_is_checked(weights):

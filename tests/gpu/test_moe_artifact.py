@@ -25,7 +25,7 @@ import torch
 import runtime
 from runtime.errors import ArtifactError, DeviceRefused, InputError
 from runtime.layout import random_moe_weights
-from runtime.reference import moe_reference, tie_margin
+from runtime.reference import moe_reference, rel_l2, tie_margin
 
 pytestmark = pytest.mark.gpu
 
@@ -60,10 +60,6 @@ def _inputs(shape, m, dtype, device):
     logits = torch.randn(m, shape.experts, device=device).to(DTYPES[dtype])
     bias = torch.randn(shape.experts, device=device) * 0.1
     return x, logits, bias
-
-
-def _rel_l2(got, want) -> float:
-    return ((got.double() - want.double()).norm() / want.double().norm()).item()
 
 
 def _reference(artifact, weights, x, logits, bias, ids=None):
@@ -103,9 +99,9 @@ def test_every_variant_matches_reference(artifact, layer, weights, device):
             ref = _reference(artifact, weights, x, logits, bias)
             exact = moe_reference(x, logits, bias, weights[1], weights[2], artifact.shape,
                                   dtype=torch.float64)  # fmt: skip
-            err = _rel_l2(final, ref.final)
+            err = rel_l2(final, ref.final)
             results[v.name] = {"final": round(err, 5),
-                               "final_f64": round(_rel_l2(final, exact.final), 5)}  # fmt: skip
+                               "final_f64": round(rel_l2(final, exact.final), 5)}  # fmt: skip
             if final.isnan().any() or err >= TOL:
                 failed.append(v.name)
             continue
@@ -117,13 +113,13 @@ def test_every_variant_matches_reference(artifact, layer, weights, device):
         exact = moe_reference(x, logits, bias, weights[1], weights[2], artifact.shape,
                               dtype=torch.float64, ids=ids)  # fmt: skip
         routes = _route_errors(out, ref.out, artifact.shape.top_k)
-        err = _rel_l2(out, ref.out)
-        row = {"out": round(err, 5), "out_f64": round(_rel_l2(out, exact.out), 5),
+        err = rel_l2(out, ref.out)
+        row = {"out": round(err, 5), "out_f64": round(rel_l2(out, exact.out), 5),
                "route_median": round(routes.median().item(), 5),
                "route_max": round(routes.max().item(), 5)}  # fmt: skip
         if v.kernel == "grouped":
             assert not shared.isnan().any()
-            row["shared"] = round(_rel_l2(shared, ref.shared), 5)
+            row["shared"] = round(rel_l2(shared, ref.shared), 5)
             err = max(err, row["shared"])
         results[v.name] = row
         if err >= TOL:
@@ -140,7 +136,7 @@ def test_layer_serves_every_m(artifact, layer, weights, device):
             final = layer(x, logits, bias)
             assert final.shape == (m, artifact.shape.hidden) and final.dtype == torch.bfloat16
             ref = _reference(artifact, weights, x, logits, bias)
-            err = _rel_l2(final, ref.final)
+            err = rel_l2(final, ref.final)
             errors[f"{dtype} M={m}"] = round(err, 5)
             assert not final.isnan().any() and err < TOL, (dtype, m, err)
     print(json.dumps(errors))
@@ -171,7 +167,7 @@ def test_graph_replays_stay_right(artifact, layer, weights, device):
             logits.copy_(pl)
             bias.copy_(pb)
             graph.replay()
-            worst = max(worst, _rel_l2(final, want))
+            worst = max(worst, rel_l2(final, want))
             assert not final.isnan().any(), (m, i)
         print(f"graph M={m} {dtype}: 1000 replays, worst rel_l2 {worst:.5f}")
         assert worst < TOL
@@ -195,7 +191,7 @@ def test_two_streams_in_parallel(artifact, layer, weights, device):
         for s in range(2):
             for i, got in enumerate(results[s]):
                 want = pools[s][i % 4][3]
-                assert _rel_l2(got, want) < TOL, (m_pair, s, i)
+                assert rel_l2(got, want) < TOL, (m_pair, s, i)
     assert len(layer.artifact.workspaces(device.index).streams()) >= 2 or not any(
         v.workspace for v in artifact.variants
     )
