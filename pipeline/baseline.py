@@ -14,18 +14,16 @@ from __future__ import annotations
 
 import torch
 
-from runtime.layout import ExpertWeights, MoEWeights
+from runtime.layout import ExpertWeights, MoEWeights, unprepare
 from runtime.model import TILE, MoEShape
 from runtime.reference import quantize_activations, quantize_hidden, route, swiglu
 
 
 def _dequantize(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """BlockMajorK FP8 [E, K/128, N, 128] with scales [E, N/128, K/128] ->
-    BF16 [E, N, K] in physical (shuffled) row order."""
-    e, kb, n, _ = w.shape
-    wf = w.float().permute(0, 2, 1, 3).reshape(e, n, kb, TILE)
-    s = scale.repeat_interleave(TILE, dim=1)  # [E, N, K/128]
-    return (wf * s[..., None]).reshape(e, n, kb * TILE).to(torch.bfloat16)
+    """Checkpoint-layout FP8 [E, N, K] with block scales [E, N/128, K/128] ->
+    BF16 [E, N, K]."""
+    full = scale.repeat_interleave(TILE, dim=1).repeat_interleave(TILE, dim=2)
+    return (w.float() * full).to(torch.bfloat16)
 
 
 class TorchMoE:
@@ -37,26 +35,16 @@ class TorchMoE:
         self.s13, self.s2 = (None, None) if weights.shared is None else self._load(weights.shared)
 
     def _load(self, ex: ExpertWeights):
-        from runtime.layout import logical_rows
-
-        w13 = _dequantize(ex.w13, ex.w13_scale)
-        w2 = _dequantize(ex.w2, ex.w2_scale)
-        # Undo the 16-row shuffle once, so the matmul outputs are in logical order.
-        r13 = torch.empty_like(logical_rows(w13.shape[1], w13.device)).long()
-        r13[logical_rows(w13.shape[1], w13.device).long()] = torch.arange(
-            w13.shape[1], device=w13.device
-        )
-        r2 = torch.empty_like(logical_rows(w2.shape[1], w2.device)).long()
-        r2[logical_rows(w2.shape[1], w2.device).long()] = torch.arange(
-            w2.shape[1], device=w2.device
-        )
-        return w13[:, r13].contiguous(), w2[:, r2].contiguous()
+        # Back to the checkpoint layout (logical rows, w13 = [gate; up]), as a
+        # user's weights would be.
+        ckpt = unprepare(ex)
+        return _dequantize(ckpt.w13, ckpt.w13_scale), _dequantize(ckpt.w2, ckpt.w2_scale)
 
     def _expert(self, xd: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
         inter = self.shape.inter
-        h = xd @ w13.t()  # [T, 2I] W31 order: up, then gate
+        h = xd @ w13.t()  # [T, 2I]: gate, then up
         a = swiglu(
-            gate=h[:, inter:].float(), up=h[:, :inter].float(), limit=self.shape.swiglu_limit
+            gate=h[:, :inter].float(), up=h[:, inter:].float(), limit=self.shape.swiglu_limit
         )
         aq, sh = quantize_hidden(a)
         ad = (aq.float().view(a.shape[0], -1, TILE) * sh[..., None]).view_as(a)

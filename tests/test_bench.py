@@ -55,3 +55,20 @@ def test_bench_refuses_bad_tokens_and_needs_a_gpu(tmp_path):
     if not torch.cuda.is_available():
         r = CliRunner().invoke(main, ["bench", str(tmp_path)])
         assert r.exit_code == 2 and "needs a CUDA GPU" in r.output
+
+
+def test_torch_baseline_matches_the_reference():
+    from pipeline.baseline import TorchMoE
+    from pipeline.bench import TOLERANCE
+    from runtime.layout import random_moe_weights
+    from runtime.reference import moe_reference, rel_l2
+
+    shape = MoEShape(512, 256, 64, 4, 2.5, 10.0, False, 1)
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    prepared, routed, shared = random_moe_weights(shape, g)
+    x = torch.randn(5, shape.hidden, generator=g).bfloat16()
+    logits = torch.randn(5, shape.experts, generator=g)
+    bias = torch.randn(shape.experts, generator=g) * 0.1
+    want = moe_reference(x, logits, bias, routed, shared, shape, torch.float64).final
+    # BF16 weights: ~1.6e-2 here; a layout or gate/up mix-up lands near 1.
+    assert rel_l2(TorchMoE(prepared, shape)(x, logits, bias), want) < TOLERANCE["baseline"]
