@@ -16,7 +16,7 @@ import zstandard
 from pipeline import toolchain
 from pipeline.elf import CubinError, CubinInfo, read_cubin
 from pipeline.variants import Variant
-from runtime.artifact import canonical_json
+from runtime.artifact import canonical_json, config_hash
 
 SCHEMA = 1
 #: zstandard level for cubins: 19 is the highest non-"ultra" level; a cubin of
@@ -43,11 +43,6 @@ def compress(cubin: bytes) -> bytes:
 
 def zstd_version() -> str:
     return ".".join(str(x) for x in zstandard.ZSTD_VERSION)
-
-
-def config_hash(config: dict) -> str:
-    """sha256 hex of the canonical JSON of the resolved config."""
-    return hashlib.sha256(canonical_json(config).encode()).hexdigest()
 
 
 def variant_record(variant: Variant, result: dict, key: str, packed: bytes) -> dict:

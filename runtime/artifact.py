@@ -48,6 +48,11 @@ def canonical_json(obj) -> str:
     return json.dumps(obj, sort_keys=True, indent=1, ensure_ascii=True) + "\n"
 
 
+def config_hash(config: dict) -> str:
+    """sha256 hex of the canonical JSON of a resolved config (FORMAT.md)."""
+    return hashlib.sha256(canonical_json(config).encode()).hexdigest()
+
+
 @dataclass(frozen=True)
 class Launch:
     """Launch shape fixed at compile time; ``smem`` in bytes of dynamic shared
@@ -220,7 +225,7 @@ def check_manifest(manifest, source: str = "artifact") -> None:
                 f"{source}: manifest key {key!r}: expected {kind.__name__}, "
                 f"found {type(manifest.get(key)).__name__}"
             )
-    found = hashlib.sha256(canonical_json(manifest["config"]).encode()).hexdigest()
+    found = config_hash(manifest["config"])
     if found != manifest["config_hash"]:
         raise ArtifactError(
             f"{source}: config_hash: expected {manifest['config_hash']} "
