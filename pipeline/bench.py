@@ -227,33 +227,36 @@ class Bench:
     # Correctness of one case on fresh inputs ----------------------------------------
 
     def check(self, kind: str, m: int, routing: str, finalize: bool = False):
-        """(rel_l2, max_abs, near-tie tokens) of one call against float64."""
+        """(rel_l2, max_abs, near-tie tokens) of one call against float64:
+        routed rows (on the kernel's own expert choice) and shared rows for a
+        kernel call, the MoE output for the layer and the baseline."""
         x, logits, bias = routing_inputs(routing, m, self.shape, 1, self.g, self.device)
         x, logits = x[0], logits[0]
         routed, shared = self.checkpoints
         layer = self.checker
-        ref = moe_reference(x, logits, bias, routed, shared, self.shape, torch.float64)
         ties = int((tie_margin(logits, bias, self.shape.top_k) < NEAR_TIE).sum())
-        if kind == "mega":
-            out, ids, _ = layer.mega(x, logits, bias)
-            ref = moe_reference(x, logits, bias, routed, shared, self.shape, torch.float64, ids=ids)
-            return (*_errors(out, ref.out), ties)
-        if kind == "grouped":
-            if finalize:
-                final = layer.grouped(x, logits, bias, finalize=True)
-                ids = None
-            else:
-                out, ids, _, sh = layer.grouped(x, logits, bias)
-                ref = moe_reference(
-                    x, logits, bias, routed, shared, self.shape, torch.float64, ids=ids
-                )
-                rel_out, mx_out = _errors(out, ref.out)
-                rel_sh, mx_sh = _errors(sh, ref.shared)
-                return max(rel_out, rel_sh), max(mx_out, mx_sh), ties
-            return (*_errors(final, ref.final), ties)
+
+        def reference(ids=None):
+            return moe_reference(
+                x, logits, bias, routed, shared, self.shape, torch.float64, ids=ids
+            )
+
         if kind == "layer":
-            return (*_errors(layer(x, logits, bias), ref.final), ties)
-        return (*_errors(self.baseline(x, logits, bias), ref.final), ties)
+            return (*_errors(layer(x, logits, bias), reference().final), ties)
+        if kind == "baseline":
+            return (*_errors(self.baseline(x, logits, bias), reference().final), ties)
+        if kind == "grouped" and finalize:
+            final = layer.grouped(x, logits, bias, finalize=True)
+            return (*_errors(final, reference().final), ties)
+        if kind == "mega":
+            out, ids, _, sh = layer.mega(x, logits, bias, shared=True)
+        else:
+            out, ids, _, sh = layer.grouped(x, logits, bias)
+        ref = reference(ids)
+        errors = [_errors(out, ref.out)]
+        if sh is not None:
+            errors.append(_errors(sh, ref.shared))
+        return max(e[0] for e in errors), max(e[1] for e in errors), ties
 
     # Timed cases ----------------------------------------------------------------------
 

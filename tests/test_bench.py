@@ -72,3 +72,50 @@ def test_torch_baseline_matches_the_reference():
     want = moe_reference(x, logits, bias, routed, shared, shape, torch.float64).final
     # BF16 weights: ~1.6e-2 here; a layout or gate/up mix-up lands near 1.
     assert rel_l2(TorchMoE(prepared, shape)(x, logits, bias), want) < TOLERANCE["baseline"]
+
+
+class _ReferenceLayer:
+    """Stands in for a bound layer: the float32 reference, BF16-rounded."""
+
+    def __init__(self, routed, shared, shape):
+        self.args = (routed, shared, shape)
+
+    def _ref(self, x, logits, bias):
+        from runtime.reference import moe_reference
+
+        return moe_reference(x, logits, bias, *self.args)
+
+    def mega(self, x, logits, bias, shared=False):
+        r = self._ref(x, logits, bias)
+        out = (r.out.bfloat16(), r.ids, r.weights)
+        return (*out, r.shared.bfloat16()) if shared else out
+
+    def grouped(self, x, logits, bias, finalize=False):
+        r = self._ref(x, logits, bias)
+        if finalize:
+            return r.final.bfloat16()
+        return r.out.bfloat16(), r.ids, r.weights, r.shared.bfloat16()
+
+    def __call__(self, x, logits, bias):
+        return self._ref(x, logits, bias).final.bfloat16()
+
+
+def test_check_compares_every_kind_with_the_reference():
+    from pipeline.bench import Bench
+    from runtime.layout import random_moe_weights
+
+    shape = MoEShape(256, 128, 32, 4, 2.5, 10.0, False, 1)
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    prepared, routed, shared = random_moe_weights(shape, g)
+    bench = Bench.__new__(Bench)  # no GPU: only what check() reads
+    bench.shape, bench.g, bench.device = shape, g, torch.device("cpu")
+    bench.checkpoints = (routed, shared)
+    bench.checker = _ReferenceLayer(routed, shared, shape)
+    bench.baseline = bench.checker
+    for kind, fin in (("mega", False), ("grouped", False), ("grouped", True), ("layer", False),
+                      ("baseline", False)):  # fmt: skip
+        rel, max_abs, ties = bench.check(kind, 3, "random", fin)
+        # BF16 rounding of the outputs only (and of the rows the final sums).
+        assert rel < 1e-2 and max_abs < 0.1 and ties >= 0, (kind, fin, rel)
+    bench.checker = _ReferenceLayer(random_moe_weights(shape, g)[1], shared, shape)
+    assert bench.check("mega", 3, "random")[0] > 0.5  # other weights: caught
