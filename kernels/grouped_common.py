@@ -60,7 +60,13 @@ from kernels.grouped_plan import (
 
 THREADS = 256
 EPILOGUE_THREADS = 128
-FULL_ARRIVALS = 34  # the producer's expect_tx, 32 gatherer lanes' cp.async, lane 0's scales
+# A stage's full barrier: the producer's expect_tx, then per gatherer lane its
+# cp.async completion and its own arrival after its scale-ring stores and its
+# reads of the stage word. Every lane arrives (not lane 0 after __syncwarp)
+# so that each lane's shared-memory accesses are ordered by an mbarrier of
+# its own: compute-sanitizer's racecheck reported the lane-0 handoff (H200,
+# grouped m8) and is clean with this.
+FULL_ARRIVALS = 1 + 32 + 32
 # Named barriers (0 is __syncthreads): 1 the epilogue group, 2 unit tables
 # ready, 3 routes ranked.
 BAR_EPILOGUE, BAR_TABLES, BAR_RANKED = 1, 2, 3
@@ -693,9 +699,7 @@ class GroupedCommon:
                             scale = hs[lane * self.nk2 + kb + d]
                         ring[(n % self.ring) * self.columns + d * w + lane] = w_d * scale
             ptx.cp_async_mbarrier_arrive_noinc(t.full(slot))
-            cute.arch.sync_warp()
-            if lane == 0:
-                ptx.mbarrier_arrive(t.full(slot))
+            ptx.mbarrier_arrive(t.full(slot))
             n = n + self.GATHERERS
 
     def ring_scale(self, t: Tables, n, d: int, token):

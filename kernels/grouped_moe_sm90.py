@@ -17,8 +17,9 @@ halves; the unit's 16 tokens = B, N = 16), four k32 steps per K block, each K
 block into its own accumulator set (2 K blocks x 2 halves x 8 registers), so
 the non-power-of-two block scales (weight block scale x the token's
 activation or hidden scale, from the gatherers' scale ring) are applied once
-per K block in FP32. ``wgmma.commit_group`` + ``wait_group 0``, then one
-mbarrier arrival per warp frees the weight stage.
+per K block in FP32. ``wgmma.commit_group`` + ``wait_group 0``; once a
+thread has also read the stage's column scales it arrives on the stage's
+empty barrier (all 128 arrive: see ``grouped_common.FULL_ARRIVALS``).
 
 Roles (256 threads): warp 0 lane 0 the weight producer (TMA), warps 1-3 the
 B-tile gatherers (cp.async of quantized tokens / hidden rows, column scales),
@@ -193,8 +194,8 @@ class GroupedMoeSm90(GroupedCommon):
         a_counters = counters.iterator.toint()
 
         if tid == 0:
-            # One arrival per MMA warp frees a weight stage.
-            self.init_barriers(t, EPILOGUE_THREADS // 32)
+            # Every MMA thread's arrival frees a weight stage.
+            self.init_barriers(t, EPILOGUE_THREADS)
             for m in cutlass.range_constexpr(len(TENSOR_MAPS)):
                 ptx.tensormap_fence_acquire(a_maps + 128 * m)
                 ptx.prefetch_tensormap(a_maps + 128 * m)
@@ -270,18 +271,19 @@ class GroupedMoeSm90(GroupedCommon):
                 # The gathered B rows are generic-proxy (cp.async) writes.
                 ptx.fence_proxy_async_shared()
                 self.mma_stage(parts, a_desc, b_desc, slot)
-                if cute.arch.lane_idx() == 0:
-                    ptx.mbarrier_arrive(t.empty(slot))
+                scales = cute.make_rmem_tensor(cute.make_layout((DEPTH * frag.slots,)), Float32)
+                for d in cutlass.range_constexpr(DEPTH):
+                    for s in cutlass.range_constexpr(frag.slots):
+                        scales[d * frag.slots + s] = self.ring_scale(t, n, d, frag.token(s))
+                # The stage (weights, B tile, word, scales) is read: each
+                # thread frees it for itself (see FULL_ARRIVALS).
+                ptx.mbarrier_arrive(t.empty(slot))
                 fc2, half, unit, tile, kb, opens, closes = self.unpack(word)
                 if opens:
                     opened = n
                     for i in cutlass.range_constexpr(v):
                         up[i] = Float32(0.0)
                         gate[i] = Float32(0.0)
-                scales = cute.make_rmem_tensor(cute.make_layout((DEPTH * frag.slots,)), Float32)
-                for d in cutlass.range_constexpr(DEPTH):
-                    for s in cutlass.range_constexpr(frag.slots):
-                        scales[d * frag.slots + s] = self.ring_scale(t, n, d, frag.token(s))
                 into_gate = tile >= self.pairs
                 if fc2:
                     into_gate = tile < 0

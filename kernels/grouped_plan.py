@@ -279,8 +279,8 @@ def smem_layout(plan: GroupedPlan, stages: int, gatherers: int, slots: int = 0) 
     a_bytes = DEPTH * STAGE_BYTES
     b_bytes = DEPTH * w * TILE
     # The scale ring and stage words are read up to ``stages + slots`` stages
-    # after they are written (and one more on sm_90a, whose consumer frees a
-    # stage before its epilogue reads the scales).
+    # after they are written (sm_100a's epilogue reads a stage's scales up to
+    # ``slots`` stages after its weights were freed); two more as margin.
     ring = slots + stages + 2
     posts = slots + stages + 2
     bars = 2 * stages + 2 * slots + posts
