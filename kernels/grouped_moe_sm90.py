@@ -196,8 +196,9 @@ class GroupedMoeSm90(GroupedCommon):
         if tid == 0:
             # Every MMA thread's arrival frees a weight stage.
             self.init_barriers(t, EPILOGUE_THREADS)
+            # No tensor-map proxy fence: the runtime never rewrites a maps
+            # buffer (runtime/tensormap.py).
             for m in cutlass.range_constexpr(len(TENSOR_MAPS)):
-                ptx.tensormap_fence_acquire(a_maps + 128 * m)
                 ptx.prefetch_tensormap(a_maps + 128 * m)
         if tid == 64:
             self.prefetch_static(

@@ -143,11 +143,21 @@ ROUTED_PARAMS = ("maps", "w13_scale", "w2_scale", "x", "logits", "bias", "rows1"
 ROUTED_MAPS = ("w13", "w2")
 WG_BARRIER = 1  # named barrier of the MMA warpgroup (0 is __syncthreads)
 
+#: Which clusters run the shared experts: the first M ("shared_first": cluster
+#: g < M is token g's shared expert, the routes follow), or the last M, after
+#: the routes in order ("shared_last") or in reverse order
+#: ("shared_last_reversed").
+ORDERS = ("shared_first", "shared_last", "shared_last_reversed")
+
 #: Ring depth and CTAs per SM per token bucket: M * (top_k + 1) clusters of 8
 #: CTAs (9, 18, 27, 36 for top_k 8 with the shared expert) must all be
 #: resident (H200: 15 at 1 CTA/SM, 30 at 2, 45 at 3), and with fewer CTAs per
 #: SM each needs more bytes in flight.
 STAGES = {1: (10, 1), 2: (6, 2), 3: (6, 2), 4: (3, 3)}
+
+#: Cluster order per token bucket (measured: see the module docstring).
+ORDER = {1: "shared_last_reversed", 2: "shared_first", 3: "shared_first",
+         4: "shared_last_reversed"}  # fmt: skip
 
 
 class MegaMoeSm90:
@@ -155,7 +165,8 @@ class MegaMoeSm90:
     host launch and device code."""
 
     def __init__(self, spec: KernelSpec, stages: int | None = None, ctas_per_sm: int | None = None,
-                 prefetch: str = "none", early_shared: bool = True):  # fmt: skip
+                 prefetch: str = "none", early_shared: bool = True,
+                 order: str | None = None):  # fmt: skip
         hidden, inter = spec.hidden, spec.inter
         self.hidden, self.inter, self.experts, self.top_k = hidden, inter, spec.experts, spec.top_k
         self.scale, self.limit, self.ue8m0 = spec.scale, spec.limit, spec.ue8m0
@@ -167,6 +178,8 @@ class MegaMoeSm90:
         self.routes = spec.tokens * spec.top_k
         self.groups = self.shared + self.routes
         self.early_shared = early_shared and self.shared > 0
+        self.order = order or ORDER[min(spec.tokens, max(ORDER))]
+        assert self.order in ORDERS, self.order
         default_stages, default_ctas = STAGES[min(spec.tokens, max(STAGES))]
         self.stages = stages or default_stages
         self.ctas_per_sm = ctas_per_sm or default_ctas
@@ -293,7 +306,16 @@ class MegaMoeSm90:
         cta, _, _ = cute.arch.block_idx()
         rank = cute.arch.make_warp_uniform(ptx.cluster_ctarank())
         group = cta // self.cluster
+        # Cluster -> route or the shared expert of token ``shared_index``: ORDERS.
         route = group - self.shared
+        shared_index = group
+        is_shared = group < self.shared
+        if cutlass.const_expr(self.order != "shared_first"):
+            route = group
+            shared_index = group - self.routes
+            is_shared = group >= self.routes
+        if cutlass.const_expr(self.order == "shared_last_reversed"):
+            route = self.routes - 1 - group
         token = route // self.top_k
         k = route % self.top_k
         stages = self.stages
@@ -302,12 +324,12 @@ class MegaMoeSm90:
         scale1, scale2 = w13_scale, w2_scale
         row = out + Int64(route) * (self.hidden * 2)
         if cutlass.const_expr(self.shared > 0):
-            if group < self.shared:
-                token = group
+            if is_shared:
+                token = shared_index
                 map1 = maps + 2 * 128
                 scale1 = s13_scale
                 scale2 = s2_scale
-                row = shared_out + Int64(group) * (self.hidden * 2)
+                row = shared_out + Int64(token) * (self.hidden * 2)
         map2 = map1 + 128
 
         base = cute.arch.get_dyn_smem(cutlass.Uint8, alignment=1024).toint()
@@ -318,37 +340,14 @@ class MegaMoeSm90:
         hrecv = gate_in + 8
 
         if tid == 0:
-            for s in cutlass.range_constexpr(stages):
-                ptx.mbarrier_init(full + 8 * s, 1)
-                ptx.mbarrier_init(empty + 8 * s, MMA_THREADS // 32)
-            ptx.mbarrier_init(gate_in, 1)
-            ptx.mbarrier_init(hrecv, 1)
-            if rank < self.nk2:
-                ptx.mbarrier_arrive_expect_tx(gate_in, TILE * 4)
-            # Every up tile's FP8 hidden block and its scale.
-            ptx.mbarrier_arrive_expect_tx(hrecv, self.nk2 * (TILE + 4))
-            ptx.fence_mbarrier_init()
+            self.init_barriers(full, empty, gate_in, hrecv, rank)
         if warp == PRODUCER_WARP:
             if lane == 0:
-                ptx.tensormap_fence_acquire(map1)
-                ptx.tensormap_fence_acquire(map2)
+                # No tensor-map proxy fence: the runtime never rewrites a maps
+                # buffer (runtime/tensormap.py; the fence cost ~0.5 us a call).
                 ptx.prefetch_tensormap(map1)
                 ptx.prefetch_tensormap(map2)
-        # The B tiles are zeros but for one row each. GEMM2's token rows
-        # (row kb of tile kb) are written by other CTAs: leave them alone, so
-        # that no ordering against them is needed (a relaxed cluster arrive).
-        zero = Uint32(0)
-        chunks1 = B1_TILES * B_BYTES // 16
-        for i in cutlass.range_constexpr(-(-chunks1 // THREADS)):
-            c = i * THREADS + tid
-            if c < chunks1:
-                ptx.st_shared_v4_u32(base + self.off_b1 + c * 16, zero, zero, zero, zero)
-        chunks2 = self.nk2 * B_BYTES // 16
-        for i in cutlass.range_constexpr(-(-chunks2 // THREADS)):
-            c = i * THREADS + tid
-            if c < chunks2:
-                if (c % 64) // 8 != c // 64:
-                    ptx.st_shared_v4_u32(base + self.off_b2 + c * 16, zero, zero, zero, zero)
+        self.zero_b_tiles(base, tid)
         ptx.cluster_arrive_relaxed()
         cute.arch.sync_threads()
 
@@ -362,7 +361,7 @@ class MegaMoeSm90:
                 # early_shared its stages stream before the previous grid ends.
                 if cutlass.const_expr(not self.early_shared):
                     ptx.griddepcontrol_wait()
-                if group >= self.shared:
+                if not is_shared:
                     if cutlass.const_expr(self.early_shared):
                         ptx.griddepcontrol_wait()
                     # The first load waits on this: stop selecting after round k.
@@ -379,7 +378,7 @@ class MegaMoeSm90:
             ptx.griddepcontrol_wait()
             expert = Int32(0)
             if cutlass.const_expr(self.shared > 0):
-                if group >= self.shared:
+                if not is_shared:
                     expert = self.route(row_logits, bias, lane, warp, rank, k, route, ids, weights)
             else:
                 expert = self.route(row_logits, bias, lane, warp, rank, k, route, ids, weights)
@@ -387,6 +386,39 @@ class MegaMoeSm90:
                 base, full, empty, gate_in, hrecv, tid, lane, rank, token, expert, scale1,
                 scale2, x, rows1, rows2, row,
             )  # fmt: skip
+
+    @cute.jit
+    def init_barriers(self, full, empty, gate_in, hrecv, rank):
+        """One thread: the ring's full/empty barriers, the gate and hidden
+        barriers with their expected bytes."""
+        for s in cutlass.range_constexpr(self.stages):
+            ptx.mbarrier_init(full + 8 * s, 1)
+            ptx.mbarrier_init(empty + 8 * s, MMA_THREADS // 32)
+        ptx.mbarrier_init(gate_in, 1)
+        ptx.mbarrier_init(hrecv, 1)
+        if rank < self.nk2:
+            ptx.mbarrier_arrive_expect_tx(gate_in, TILE * 4)
+        # Every up tile's FP8 hidden block and its scale.
+        ptx.mbarrier_arrive_expect_tx(hrecv, self.nk2 * (TILE + 4))
+        ptx.fence_mbarrier_init()
+
+    @cute.jit
+    def zero_b_tiles(self, base, tid):
+        """The B tiles are zeros but for one row each. GEMM2's token rows (row
+        kb of tile kb) are written by other CTAs: left alone, so that no
+        ordering against them is needed (a relaxed cluster arrive)."""
+        zero = Uint32(0)
+        chunks1 = B1_TILES * B_BYTES // 16
+        for i in cutlass.range_constexpr(-(-chunks1 // THREADS)):
+            c = i * THREADS + tid
+            if c < chunks1:
+                ptx.st_shared_v4_u32(base + self.off_b1 + c * 16, zero, zero, zero, zero)
+        chunks2 = self.nk2 * B_BYTES // 16
+        for i in cutlass.range_constexpr(-(-chunks2 // THREADS)):
+            c = i * THREADS + tid
+            if c < chunks2:
+                if (c % 64) // 8 != c // 64:
+                    ptx.st_shared_v4_u32(base + self.off_b2 + c * 16, zero, zero, zero, zero)
 
     @cute.jit
     def route(self, row_logits, bias, lane, warp, rank, k, route, ids, weights) -> Int32:
@@ -681,7 +713,7 @@ def _quad_pick(sums, quad):
 def compile_kernel(spec: KernelSpec, **options) -> CompiledKernel:
     """Compiles one mega variant for sm_90a (no GPU needed); ``CUTE_DSL_ARCH``
     must have been sm_90a when cutlass was first imported. ``options``
-    (stages, ctas_per_sm, prefetch, early_shared) override the tuned
+    (stages, ctas_per_sm, prefetch, early_shared, order) override the tuned
     defaults. ``spec.shared_experts`` picks the ABI: ``PARAMS`` / ``MAPS``
     with the shared expert, ``ROUTED_PARAMS`` / ``ROUTED_MAPS`` without."""
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
@@ -733,6 +765,7 @@ def compile_kernel(spec: KernelSpec, **options) -> CompiledKernel:
             "prefetch": kernel.prefetch,
             "shared_routes": kernel.shared,
             "early_shared": kernel.early_shared,
+            "order": kernel.order,
             "threads": THREADS,
             "cluster": kernel.cluster,
             "smem_layout": {

