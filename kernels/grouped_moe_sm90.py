@@ -63,6 +63,12 @@ I 512, 288 experts, top-8, one CTA per SM of the H200):
 
   The in-kernel finalize adds 2.5-4 us (measured without the L2 hint:
   M = 8 87.5 -> 90.0 us, M = 64 233.2 -> 235.8 us).
+* Every consumer thread and every gatherer lane arrives on the ring
+  barriers itself (racecheck-clean; it flagged the lane-0 handoff). Not A/B
+  measured; ``moe-build bench`` before and after (random routing, M = 8, 16,
+  32, 48, 64): 88.2, 123.0, 163.8, 201.9, 208.3 us at dfd2f84 and 89.8,
+  120.0, 172.7, 207.3, 213.8 us at b0b1423 (other weights and inputs each
+  run; ``benchmarks/results/``).
 * Accuracy: relative L2 error 0.002-0.006 against the float32 reference on
   the kernel's expert choice (activation codes bit-exact; ~1.3% of hidden
   FP8 codes differ from a float64 reference, from accumulation order).

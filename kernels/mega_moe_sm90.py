@@ -6,9 +6,10 @@ one launch: routing, FP8 activation quantization, GEMM1 with block scales,
 clamped SwiGLU, FP8 hidden quantization and GEMM2, writing one unweighted BF16
 row per route (``out[token * top_k + k]``), the expert ``ids`` and the routing
 ``weights``. With a shared expert (``spec.shared_experts == 1``) M more
-clusters, first in the grid, run it for each token with the same per-route
-code (tensor maps s13/s2 = maps 2 and 3, expert 0, scales ``s13_scale`` /
-``s2_scale``) and write the unweighted row ``shared_out[token]``; they need no
+clusters (first or last in the grid: ``ORDER``) run it for each token with
+the same per-route code (tensor maps s13/s2 = maps 2 and 3, expert 0, scales
+``s13_scale`` / ``s2_scale``) and write the unweighted row
+``shared_out[token]``; they need no
 routing, so their producer streams weights before ``griddepcontrol.wait``
 (only x waits). Without one the kernel has the routed-only ABI
 (``ROUTED_PARAMS``, maps w13/w2). This is the seed's MegaExperts (``shared/seeds/mega_moe.clean.txt``)
@@ -53,24 +54,51 @@ released one ``wgmma.wait_group`` after it was issued. The ring depth is
 chosen per token bucket (``STAGES``) so that every route's cluster is
 resident at once.
 
-Measured on the H200 (2026-11-29; CUDA graphs of 8 calls, each on its own
-inputs, so each call streams other experts: L2 defeated; median of 15
-replays; MB = distinct routed experts (the means of the routed-only run
-below) plus the shared expert, 6.29 MB each; % of the 4.24 TB/s device copy
-bandwidth measured earlier). ``layer`` is ``MoELayer.__call__``: the kernel
-plus ``runtime.moe.combine`` (4 torch kernels, ~12.5 us at every M):
+Cluster order (``ORDER``). ``%smid`` stamps of an M=1 call (9 clusters, 1
+CTA/SM) put clusters 0-7 on 8 different GPCs and the 9th in the GPC of the
+8th; those two finished last (18.3-18.9 us against 14.5-17 us). The shared
+expert, which streams before ``griddepcontrol.wait``, is best as that 9th
+cluster, with the routes in reverse order so that the route sharing its GPC
+is route 0 (its routing ends first). Graphs of 8 calls, same run: M=1 20.39
+us shared first, 19.52 shared last, 19.11 shared last with reversed routes;
+M=2 31.5 / 33.5 / 33.0, M=3 43.3 / 43.6 / 43.7, M=4 54.5 / 55.1 / 53.5.
+
+Start-up: the producer's pick k is ready after k + 1 rounds of selection,
+each a ``redux.sync`` over the lanes' sorted candidate lists
+(``moe_common._sort_candidates``): M=1 19.19 -> 18.90 us against a rescan
+of every candidate per round. The tensor maps are prefetched without the
+tensor-map proxy fence (the runtime pins and never rewrites them,
+``runtime/tensormap.py``): M=1 18.82 -> 18.35 us in one A/B run.
+
+``moe-build bench`` on the H200 (commit b0b1423; CUDA graphs of 8 calls on
+fresh inputs over 4 bound weight copies, L2 defeated; 30 replays, median;
+MB = distinct routed experts plus the shared expert, 6.29 MB each; % of the
+4.27 TB/s device copy bandwidth measured in the same run;
+``benchmarks/results/h200-2026-11-29-b0b1423.json``). ``layer`` is
+``MoELayer.__call__``: the kernel plus ``runtime.moe.combine`` (4 torch
+kernels, ~12.5 us at every M):
 
   ====  =========  =========  =======  =======  =========  =================
   M     mega       layer      MB       TB/s     % of copy  stages, CTA/SM
   ====  =========  =========  =======  =======  =========  =================
-  1     19.60 us   32.1 us    56.6     2.89     68 %       10, 1
-  2     30.26 us   43.3 us    103      3.41     80 %       6, 2
-  3     42.81 us   56.2 us    146      3.42     81 %       6, 2
-  4     50.11 us   62.8 us    183      3.66     86 %       3, 3
+  1     18.22 us   31.8 us    56.6     3.11     73 %       10, 1
+  2     31.11 us   44.9 us    99.9     3.21     75 %       6, 2
+  3     42.00 us   56.0 us    143      3.41     80 %       6, 2
+  4     52.63 us   64.0 us    189      3.59     84 %       3, 3
   ====  =========  =========  =======  =======  =========  =================
 
-The layer took 150-200 us at M <= 4 before (shared expert in torch on FP32
-weights, top-k loop finalize). Shared routes waiting on
+Tried at M=1 and not kept (graphs of 8 calls): the shared expert split over
+two clusters, one running GEMM1 and handing the FP8 hidden blocks to the
+other through global memory, 23.1 us against 19.0; the shared cluster held
+to 8, 6 or 4 loads in flight, 18.6 / 19.5 / 23.4 against 18.7; 12 or 13
+stages, 19.1 against 18.9; barriers initialized by the producer so that it
+starts before the B tiles are zeroed, 17.87 against 17.71.
+
+Earlier measurements (before the cluster order, the sorted routing and the
+fence removal; graphs of 8 calls, median of 15): with the shared expert
+first, 19.60, 30.26, 42.81, 50.11 us (M = 1..4). The layer took 150-200 us
+at M <= 4 before the shared expert moved into the kernel (shared expert in
+torch on FP32 weights, top-k loop finalize). Shared routes waiting on
 ``griddepcontrol.wait`` like the others (``early_shared=False``), same run:
 mega 19.76, 30.52, 42.00, 51.77 us (M = 1..4): streaming them early is worth
 0.2-1.7 us except at M=3 (+0.8 us), so it is on by default.
@@ -294,12 +322,12 @@ class MegaMoeSm90:
     def body(self, maps: Int64, w13_scale: Int64, w2_scale: Int64, s13_scale: Int64,
              s2_scale: Int64, x: Int64, logits: Int64, bias: Int64, rows1: Int64, rows2: Int64,
              out: Int64, shared_out: Int64, ids: Int64, weights: Int64):  # fmt: skip
-        """One cluster = one route (global addresses in bytes): cluster g <
-        ``self.shared`` is token g's shared expert (maps s13/s2, expert 0,
-        its scales, row ``shared_out[g]``); cluster g >= ``self.shared`` is
-        route r = g - shared (token r // top_k, pick r % top_k: maps w13/w2,
-        the routed expert, row ``out[r]``, ``ids[r]``, ``weights[r]``). Both
-        run the same code from the producer's first load on."""
+        """One cluster = one route (global addresses in bytes): either token
+        t's shared expert (maps s13/s2, expert 0, its scales, row
+        ``shared_out[t]``) or route r (token r // top_k, pick r % top_k: maps
+        w13/w2, the routed expert, row ``out[r]``, ``ids[r]``,
+        ``weights[r]``); which cluster is which: ``ORDERS``. Both run the same
+        code from the producer's first load on."""
         tid, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()

@@ -99,7 +99,8 @@ def build(tensors: dict, names: tuple[str, ...], device):
     with _PINNED_LOCK:
         maps = _PINNED.get(key)
         if maps is None:
-            maps = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device)
+            maps = torch.empty(len(raw), dtype=torch.uint8, device=device)
+            maps.copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
             if maps.data_ptr() % 64:
                 raise RuntimeError("tensor map buffer is not 64-byte aligned")
             _PINNED[key] = maps
