@@ -101,8 +101,8 @@ def _sort_candidates(keys, lane):
     register tensors ordered by key descending, ties to the lower expert
     (odd-even transposition network: ``per`` rounds of compare-exchanges, no
     data-dependent branches). A selection round then only reads each lane's
-    head and shifts the winner's list (measured on the H200: the eighth pick
-    of a 288-expert token ready ~0.5 us sooner than with a rescan per round)."""
+    head and shifts the winner's list (H200, 288 experts: the M=1 mega call
+    19.19 -> 18.90 us against a rescan of every candidate per round)."""
     per = cute.size(keys)
     ks = cute.make_rmem_tensor(cute.make_layout((per,)), Uint32)
     es = cute.make_rmem_tensor(cute.make_layout((per,)), Uint32)
