@@ -87,6 +87,13 @@ _PINNED: dict[tuple[str, bytes], object] = {}
 _PINNED_LOCK = threading.Lock()
 
 
+def upload(raw: bytes, device):
+    """``raw`` as a new torch uint8 tensor on ``device``."""
+    import torch
+
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device)
+
+
 def build(tensors: dict, names: tuple[str, ...], device):
     """Device buffer (torch uint8 [len(names) * 128], 64-byte aligned) holding
     the maps of ``tensors[name]`` for each name, in order; immutable and
@@ -99,8 +106,7 @@ def build(tensors: dict, names: tuple[str, ...], device):
     with _PINNED_LOCK:
         maps = _PINNED.get(key)
         if maps is None:
-            maps = torch.empty(len(raw), dtype=torch.uint8, device=device)
-            maps.copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+            maps = upload(raw, device)
             if maps.data_ptr() % 64:
                 raise RuntimeError("tensor map buffer is not 64-byte aligned")
             _PINNED[key] = maps
