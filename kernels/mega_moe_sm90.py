@@ -178,6 +178,11 @@ WG_BARRIER = 1  # named barrier of the MMA warpgroup (0 is __syncthreads)
 #: ("shared_last_reversed").
 ORDERS = ("shared_first", "shared_last", "shared_last_reversed")
 
+#: Where the producer lane waits on the cluster barrier (the start's arrive):
+#: before its first wait on a free stage ("first_wait"), or after its last
+#: load, the whole warp converged ("end").
+PRODUCER_WAITS = ("first_wait", "end")
+
 #: Ring depth and CTAs per SM per token bucket: M * (top_k + 1) clusters of 8
 #: CTAs (9, 18, 27, 36 for top_k 8 with the shared expert) must all be
 #: resident (H200: 15 at 1 CTA/SM, 30 at 2, 45 at 3), and with fewer CTAs per
@@ -195,7 +200,7 @@ class MegaMoeSm90:
 
     def __init__(self, spec: KernelSpec, stages: int | None = None, ctas_per_sm: int | None = None,
                  prefetch: str = "none", early_shared: bool = True,
-                 order: str | None = None):  # fmt: skip
+                 order: str | None = None, producer_wait: str = "first_wait"):  # fmt: skip
         hidden, inter = spec.hidden, spec.inter
         self.hidden, self.inter, self.experts, self.top_k = hidden, inter, spec.experts, spec.top_k
         self.scale, self.limit, self.ue8m0 = spec.scale, spec.limit, spec.ue8m0
@@ -213,6 +218,8 @@ class MegaMoeSm90:
         self.stages = stages or default_stages
         self.ctas_per_sm = ctas_per_sm or default_ctas
         assert prefetch in ("none", "late"), prefetch
+        assert producer_wait in PRODUCER_WAITS, producer_wait
+        self.producer_wait = producer_wait
         self.prefetch = prefetch
         self.nk1 = hidden // TILE  # GEMM1 K blocks
         self.nk2 = inter // TILE  # GEMM2 K blocks (= up tiles)
@@ -400,9 +407,15 @@ class MegaMoeSm90:
                 ptx.griddepcontrol_wait()
                 expert = route_pick(row_logits, bias, lane, k, self.experts, self.top_k,
                                     self.logits_bf16)  # fmt: skip
-            if lane == 0:
-                self.produce(base, full, empty, map1, map2, expert, rank)
-            ptx.cluster_wait()
+            if cutlass.const_expr(self.producer_wait == "end"):
+                if lane == 0:
+                    self.produce(base, full, empty, map1, map2, expert, rank)
+                ptx.cluster_wait()
+            else:
+                if lane == 0:
+                    self.produce(base, full, empty, map1, map2, expert, rank)
+                else:
+                    ptx.cluster_wait_divergent()
         else:
             ptx.griddepcontrol_wait()
             expert = Int32(0)
@@ -479,6 +492,8 @@ class MegaMoeSm90:
                         map2, 0, rank * self.rows2 + (m // self.nk2) * TILE,
                         expert * self.nk2 + m % self.nk2,
                     )  # fmt: skip
+            if cutlass.const_expr(n == stages and self.producer_wait == "first_wait"):
+                ptx.cluster_wait_divergent()
             if cutlass.const_expr(n >= stages):
                 ptx.mbarrier_wait(empty + 8 * slot, (n // stages - 1) % 2)
             ptx.mbarrier_arrive_expect_tx(full + 8 * slot, STAGE_BYTES)
@@ -492,6 +507,8 @@ class MegaMoeSm90:
                     dst, map2, full + 8 * slot, 0, rank * self.rows2 + (m // self.nk2) * TILE,
                     expert * self.nk2 + m % self.nk2, policy,
                 )  # fmt: skip
+        if cutlass.const_expr(self.loads <= stages and self.producer_wait == "first_wait"):
+            ptx.cluster_wait_divergent()
 
     @cute.jit
     def consume(self, base, full, empty, gate_in, hrecv, tid, lane, rank, token, expert,
