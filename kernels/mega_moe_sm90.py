@@ -206,7 +206,8 @@ class MegaMoeSm90:
 
     def __init__(self, spec: KernelSpec, stages: int | None = None, ctas_per_sm: int | None = None,
                  prefetch: str = "none", early_shared: bool = True,
-                 order: str | None = None, cluster_wait: str = "gemm1"):  # fmt: skip
+                 order: str | None = None, cluster_wait: str = "gemm1",
+                 free_wait: str = "try_wait"):  # fmt: skip
         hidden, inter = spec.hidden, spec.inter
         self.hidden, self.inter, self.experts, self.top_k = hidden, inter, spec.experts, spec.top_k
         self.scale, self.limit, self.ue8m0 = spec.scale, spec.limit, spec.ue8m0
@@ -226,6 +227,7 @@ class MegaMoeSm90:
         assert prefetch in ("none", "late"), prefetch
         assert cluster_wait in CLUSTER_WAITS, cluster_wait
         self.cluster_wait = cluster_wait
+        self.free_wait = free_wait
         self.prefetch = prefetch
         self.nk1 = hidden // TILE  # GEMM1 K blocks
         self.nk2 = inter // TILE  # GEMM2 K blocks (= up tiles)
@@ -501,7 +503,15 @@ class MegaMoeSm90:
             if cutlass.const_expr(n == stages and self.cluster_wait == "gemm1"):
                 ptx.cluster_wait_divergent()
             if cutlass.const_expr(n >= stages):
-                ptx.mbarrier_wait(empty + 8 * slot, (n // stages - 1) % 2)
+                free = empty + 8 * slot
+                if cutlass.const_expr(self.free_wait == "try_wait"):
+                    ptx.mbarrier_wait(free, (n // stages - 1) % 2)
+                if cutlass.const_expr(self.free_wait == "test_wait"):
+                    ptx.mbarrier_wait_polling(free, (n // stages - 1) % 2)
+                if cutlass.const_expr(self.free_wait == "cluster"):
+                    ptx.mbarrier_wait_cluster(free, (n // stages - 1) % 2)
+                if cutlass.const_expr(self.free_wait == "backoff"):
+                    ptx.mbarrier_wait_backoff(free, (n // stages - 1) % 2)
             ptx.mbarrier_arrive_expect_tx(full + 8 * slot, STAGE_BYTES)
             dst = base + slot * STAGE_BYTES
             if cutlass.const_expr(n < self.nk1):

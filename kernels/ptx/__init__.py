@@ -63,7 +63,9 @@ from .mbarrier import (  # noqa: F401
     mbarrier_init,
     mbarrier_try_wait,
     mbarrier_wait,
+    mbarrier_wait_backoff,
     mbarrier_wait_cluster,
+    mbarrier_wait_polling,
 )
 from .memory import (  # noqa: F401
     atom_add_acq_rel_gpu_u32,
