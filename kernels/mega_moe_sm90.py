@@ -178,17 +178,6 @@ WG_BARRIER = 1  # named barrier of the MMA warpgroup (0 is __syncthreads)
 #: ("shared_last_reversed").
 ORDERS = ("shared_first", "shared_last", "shared_last_reversed")
 
-#: Where the threads wait on the cluster barrier whose arrive is at the
-#: start: "gemm1" (the MMA warps before GEMM1, the producer lane before its
-#: first wait on a free stage, the other producer lanes at once), or
-#: "exchange" (the MMA warps after GEMM1, the producer warp after its last
-#: load). Both are correct on the hardware, where a wait needs only the
-#: arrives; compute-sanitizer racecheck completes a cluster wait only when
-#: every thread of the cluster is waiting, and with "exchange" at
-#: hidden >= 4096 (producer still loading GEMM2 stages, which wait on the
-#: exchange) that never happens.
-CLUSTER_WAITS = ("gemm1", "exchange")
-
 #: Ring depth and CTAs per SM per token bucket: M * (top_k + 1) clusters of 8
 #: CTAs (9, 18, 27, 36 for top_k 8 with the shared expert) must all be
 #: resident (H200: 15 at 1 CTA/SM, 30 at 2, 45 at 3), and with fewer CTAs per
@@ -206,8 +195,7 @@ class MegaMoeSm90:
 
     def __init__(self, spec: KernelSpec, stages: int | None = None, ctas_per_sm: int | None = None,
                  prefetch: str = "none", early_shared: bool = True,
-                 order: str | None = None, cluster_wait: str = "gemm1",
-                 free_wait: str = "try_wait"):  # fmt: skip
+                 order: str | None = None):  # fmt: skip
         hidden, inter = spec.hidden, spec.inter
         self.hidden, self.inter, self.experts, self.top_k = hidden, inter, spec.experts, spec.top_k
         self.scale, self.limit, self.ue8m0 = spec.scale, spec.limit, spec.ue8m0
@@ -225,9 +213,6 @@ class MegaMoeSm90:
         self.stages = stages or default_stages
         self.ctas_per_sm = ctas_per_sm or default_ctas
         assert prefetch in ("none", "late"), prefetch
-        assert cluster_wait in CLUSTER_WAITS, cluster_wait
-        self.cluster_wait = cluster_wait
-        self.free_wait = free_wait
         self.prefetch = prefetch
         self.nk1 = hidden // TILE  # GEMM1 K blocks
         self.nk2 = inter // TILE  # GEMM2 K blocks (= up tiles)
@@ -415,15 +400,9 @@ class MegaMoeSm90:
                 ptx.griddepcontrol_wait()
                 expert = route_pick(row_logits, bias, lane, k, self.experts, self.top_k,
                                     self.logits_bf16)  # fmt: skip
-            if cutlass.const_expr(self.cluster_wait == "exchange"):
-                if lane == 0:
-                    self.produce(base, full, empty, map1, map2, expert, rank)
-                ptx.cluster_wait()
-            else:
-                if lane == 0:
-                    self.produce(base, full, empty, map1, map2, expert, rank)
-                else:
-                    ptx.cluster_wait_divergent()
+            if lane == 0:
+                self.produce(base, full, empty, map1, map2, expert, rank)
+            ptx.cluster_wait()
         else:
             ptx.griddepcontrol_wait()
             expert = Int32(0)
@@ -500,18 +479,9 @@ class MegaMoeSm90:
                         map2, 0, rank * self.rows2 + (m // self.nk2) * TILE,
                         expert * self.nk2 + m % self.nk2,
                     )  # fmt: skip
-            if cutlass.const_expr(n == stages and self.cluster_wait == "gemm1"):
-                ptx.cluster_wait_divergent()
             if cutlass.const_expr(n >= stages):
-                free = empty + 8 * slot
-                if cutlass.const_expr(self.free_wait == "try_wait"):
-                    ptx.mbarrier_wait(free, (n // stages - 1) % 2)
-                if cutlass.const_expr(self.free_wait == "test_wait"):
-                    ptx.mbarrier_wait_polling(free, (n // stages - 1) % 2)
-                if cutlass.const_expr(self.free_wait == "cluster"):
-                    ptx.mbarrier_wait_cluster(free, (n // stages - 1) % 2)
-                if cutlass.const_expr(self.free_wait == "backoff"):
-                    ptx.mbarrier_wait_backoff(free, (n // stages - 1) % 2)
+                # Polling, not try_wait: see "Free-stage wait" in the module docstring.
+                ptx.mbarrier_wait_polling(empty + 8 * slot, (n // stages - 1) % 2)
             ptx.mbarrier_arrive_expect_tx(full + 8 * slot, STAGE_BYTES)
             dst = base + slot * STAGE_BYTES
             if cutlass.const_expr(n < self.nk1):
@@ -523,8 +493,6 @@ class MegaMoeSm90:
                     dst, map2, full + 8 * slot, 0, rank * self.rows2 + (m // self.nk2) * TILE,
                     expert * self.nk2 + m % self.nk2, policy,
                 )  # fmt: skip
-        if cutlass.const_expr(self.loads <= stages and self.cluster_wait == "gemm1"):
-            ptx.cluster_wait_divergent()
 
     @cute.jit
     def consume(self, base, full, empty, gate_in, hrecv, tid, lane, rank, token, expert,
@@ -576,8 +544,6 @@ class MegaMoeSm90:
         out_rows = cute.make_rmem_tensor(cute.make_layout((tiles2,)), Int32)
         for t in cutlass.range_constexpr(tiles2):
             out_rows[t] = logical_row(rows2, rank * self.rows2 + t * TILE + row)
-        if cutlass.const_expr(self.cluster_wait == "gemm1"):
-            ptx.cluster_wait()  # the peers' barriers are initialized (CLUSTER_WAITS)
         ptx.fence_proxy_async_shared()
         ptx.bar_sync(WG_BARRIER, MMA_THREADS)
 
@@ -632,8 +598,7 @@ class MegaMoeSm90:
                 sums[2 * h + r] = v
         acc = _quad_pick(sums, quad)
 
-        if cutlass.const_expr(self.cluster_wait == "exchange"):
-            ptx.cluster_wait()
+        ptx.cluster_wait()
         if rank >= nk2:
             # Gate tile: hand the gate values to the matching up tile.
             peer = rank - nk2

@@ -36,7 +36,6 @@ from .cluster import (  # noqa: F401
     cluster_arrive_relaxed,
     cluster_ctarank,
     cluster_wait,
-    cluster_wait_divergent,
     mapa,
     st_async_b32,
     st_async_v4_b32,
@@ -63,7 +62,6 @@ from .mbarrier import (  # noqa: F401
     mbarrier_init,
     mbarrier_try_wait,
     mbarrier_wait,
-    mbarrier_wait_backoff,
     mbarrier_wait_cluster,
     mbarrier_wait_polling,
 )

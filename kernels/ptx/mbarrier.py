@@ -96,17 +96,6 @@ def mbarrier_wait_polling(bar: Int32, parity, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
-def mbarrier_wait_backoff(bar: Int32, parity, *, loc=None, ip=None) -> None:
-    """``mbarrier.try_wait.parity.shared::cta.b64`` with a ``nanosleep`` of
-    up to 64 ns between tries."""
-    asm(
-        "{ .reg .pred p; WAIT: mbarrier.try_wait.parity.shared::cta.b64 p, [$0], $1; "
-        "@p bra DONE; nanosleep.u32 64; bra WAIT; DONE: }",
-        "", "rr", (bar, parity), memory=True, loc=loc, ip=ip,
-    )  # fmt: skip
-
-
-@dsl_user_op
 def mbarrier_wait_cluster(bar: Int32, parity, *, loc=None, ip=None) -> None:
     """Spins on ``mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64``:
     for phases completed by other CTAs (``st.async`` data, remote arrivals),
