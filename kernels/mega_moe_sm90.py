@@ -70,21 +70,43 @@ of every candidate per round. The tensor maps are prefetched without the
 tensor-map proxy fence (the runtime pins and never rewrites them,
 ``runtime/tensormap.py``): M=1 18.82 -> 18.35 us in one A/B run.
 
-``moe-build bench`` on the H200 (commit b0b1423; CUDA graphs of 8 calls on
-fresh inputs over 4 bound weight copies, L2 defeated; 30 replays, median;
-MB = distinct routed experts plus the shared expert, 6.29 MB each; % of the
-4.27 TB/s device copy bandwidth measured in the same run;
-``benchmarks/results/h200-2026-11-29-b0b1423.json``). ``layer`` is
-``MoELayer.__call__``: the kernel plus ``runtime.moe.combine`` (4 torch
-kernels, ~12.5 us at every M):
+Cluster waits, and the producer's polling (what compute-sanitizer racecheck
+needs). The cluster barrier's arrive is at the start; each thread's wait
+must come before its first DSMEM access. On the hardware a wait needs only
+the arrives, but racecheck (2025.3.1) acts as if it needed every thread of
+the cluster to be waiting, and it hung on a try_wait loop of the producer
+while the MMA warps ran the DSMEM exchange. At hidden 4096 (not 2048) the
+producer's last loads wait on GEMM2 stages, i.e. on the exchange, so with
+the waits after GEMM1 (MMA warps) and after the last load (producer warp)
+racecheck never finished (510 s at M=1; reduced hidden-4096 shapes of 2-3
+clusters past 250 s; hidden-2048 shapes 6-10 s). Its deadlock detector
+(``--racecheck-deadlock-timeout``) showed, in turn: the producer lane on
+the free-stage wait of load 42 (the first GEMM2 stage); with only the
+producer's cluster wait moved, that lane in its cluster wait (MMA warps on
+load 10); with polling free-stage waits alone, load 42 again (M=1 and M=4).
+With both changes, the MMA warps waiting before GEMM1, the producer lane
+before its first free-stage wait (``mbarrier.test_wait`` polling), the
+other producer lanes at once, racecheck of the M=1 bucket is clean in 8 s.
+Cost, graphs of 8 calls in one run, M=1..4: 17.99 / 29.75 / 41.37 / 50.84
+us before, 18.24 / 30.69 / 42.62 / 51.23 us after (polling alone: 17.81 /
+29.43 / 41.36 / 50.78 in another run, against 18.00 / 29.65 / 41.43 /
+50.85); the cluster wait before GEMM1 is the part that costs at M=2, 3.
+
+``moe-build bench`` on the H200 (build of these defaults, PTX-identical;
+CUDA graphs of 8 calls on fresh inputs over 4 bound weight copies, L2
+defeated; 30 replays, median; MB = distinct routed experts plus the shared
+expert, 6.29 MB each; % of the 4.19 TB/s device copy bandwidth measured in
+the same run; ``benchmarks/results/h200-2026-11-29-59e5198.json``).
+``layer`` is ``MoELayer.__call__``: the kernel plus ``runtime.moe.combine``
+(4 torch kernels, ~13 us at every M):
 
   ====  =========  =========  =======  =======  =========  =================
   M     mega       layer      MB       TB/s     % of copy  stages, CTA/SM
   ====  =========  =========  =======  =======  =========  =================
-  1     18.22 us   31.8 us    56.6     3.11     73 %       10, 1
-  2     31.11 us   44.9 us    99.9     3.21     75 %       6, 2
-  3     42.00 us   56.0 us    143      3.41     80 %       6, 2
-  4     52.63 us   64.0 us    189      3.59     84 %       3, 3
+  1     18.2 us    31.9 us    56.6     3.11     74 %       10, 1
+  2     31.7 us    44.5 us    100.7    3.18     76 %       6, 2
+  3     41.9 us    55.1 us    136.9    3.27     78 %       6, 2
+  4     50.7 us    64.9 us    175.4    3.46     83 %       3, 3
   ====  =========  =========  =======  =======  =========  =================
 
 Tried at M=1 and not kept (graphs of 8 calls): the shared expert split over
@@ -124,12 +146,13 @@ known 1.8 us (logits load + top-k up to its round), first weight stage in
 14.7-15.2 us; DRAM is busy from ~2.3 us on.
 
 Accuracy on the H200 (every bucket, both logits dtypes, UE8M0 off and on;
-tests/test_mega_sm90_gpu.py at b0b1423, worst of 3 calls per variant): ids
-exact (no near-ties met), weights within 1e-5 relative, out 2.7-5.8e-3
-relative L2 against the float64 reference (1.9e-2 for the worst single
-route), the shared rows 3.5-4.0e-3 pooled (1.8e-2 for the worst row), the
-layer's output 2.9-5.4e-3 per call. GEMM1 rows alone: 1.3e-4 (the tensor
-cores' FP8 accumulation); the rest is hidden FP8 codes it flips.
+tests/test_mega_sm90_gpu.py on the build of these defaults, worst of 3
+calls per variant): ids exact (no near-ties met), weights within 1e-5
+relative, out 2.3-6.3e-3 relative L2 against the float64 reference (2.4e-2
+for the worst single route), the shared rows 3.2-4.0e-3 pooled (1.9e-2 for
+the worst row), the layer's output 2.6-8.3e-3 pooled per variant (1.4e-2
+for the worst single call, one row at M=1). GEMM1 rows alone: 1.3e-4 (the
+tensor cores' FP8 accumulation); the rest is hidden FP8 codes it flips.
 """
 
 from __future__ import annotations
@@ -402,7 +425,8 @@ class MegaMoeSm90:
                                     self.logits_bf16)  # fmt: skip
             if lane == 0:
                 self.produce(base, full, empty, map1, map2, expert, rank)
-            ptx.cluster_wait()
+            else:
+                ptx.cluster_wait_divergent()  # "Cluster waits" (module docstring)
         else:
             ptx.griddepcontrol_wait()
             expert = Int32(0)
@@ -479,8 +503,10 @@ class MegaMoeSm90:
                         map2, 0, rank * self.rows2 + (m // self.nk2) * TILE,
                         expert * self.nk2 + m % self.nk2,
                     )  # fmt: skip
+            if cutlass.const_expr(n == stages):
+                ptx.cluster_wait_divergent()  # before any wait on the MMA warps
             if cutlass.const_expr(n >= stages):
-                # Polling, not try_wait: see "Free-stage wait" in the module docstring.
+                # Polling: a try_wait loop here hangs racecheck (module docstring).
                 ptx.mbarrier_wait_polling(empty + 8 * slot, (n // stages - 1) % 2)
             ptx.mbarrier_arrive_expect_tx(full + 8 * slot, STAGE_BYTES)
             dst = base + slot * STAGE_BYTES
@@ -493,6 +519,8 @@ class MegaMoeSm90:
                     dst, map2, full + 8 * slot, 0, rank * self.rows2 + (m // self.nk2) * TILE,
                     expert * self.nk2 + m % self.nk2, policy,
                 )  # fmt: skip
+        if cutlass.const_expr(self.loads <= stages):
+            ptx.cluster_wait_divergent()
 
     @cute.jit
     def consume(self, base, full, empty, gate_in, hrecv, tid, lane, rank, token, expert,
@@ -544,6 +572,7 @@ class MegaMoeSm90:
         out_rows = cute.make_rmem_tensor(cute.make_layout((tiles2,)), Int32)
         for t in cutlass.range_constexpr(tiles2):
             out_rows[t] = logical_row(rows2, rank * self.rows2 + t * TILE + row)
+        ptx.cluster_wait()  # peers' barriers are initialized; "Cluster waits"
         ptx.fence_proxy_async_shared()
         ptx.bar_sync(WG_BARRIER, MMA_THREADS)
 
@@ -598,7 +627,6 @@ class MegaMoeSm90:
                 sums[2 * h + r] = v
         acc = _quad_pick(sums, quad)
 
-        ptx.cluster_wait()
         if rank >= nk2:
             # Gate tile: hand the gate values to the matching up tile.
             peer = rank - nk2

@@ -36,6 +36,7 @@ from .cluster import (  # noqa: F401
     cluster_arrive_relaxed,
     cluster_ctarank,
     cluster_wait,
+    cluster_wait_divergent,
     mapa,
     st_async_b32,
     st_async_v4_b32,

@@ -45,6 +45,13 @@ def cluster_wait(*, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
+def cluster_wait_divergent(*, loc=None, ip=None) -> None:
+    """``barrier.cluster.wait.acquire`` (no ``.aligned``): for a thread whose
+    warp is not converged, e.g. one producer lane inside its load loop."""
+    asm("barrier.cluster.wait.acquire;", "", "", memory=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
 def st_async_b32(addr: Int32, value, bar: Int32, *, loc=None, ip=None) -> None:
     """``st.async.shared::cluster.mbarrier::complete_tx::bytes.b32``: 4 bytes
     to cluster address ``addr``, completing 4 bytes on the receiver's barrier
