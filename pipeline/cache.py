@@ -34,7 +34,7 @@ from kernels import registry
 from kernels.spec import KernelSpec
 
 #: Bumped when the entry layout or what ``result.json`` holds changes.
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2
 CACHE_ENV = "MOE_BUILD_CACHE"
 
 

@@ -1,7 +1,8 @@
 """``moe-build diff A B``: what changed between two artifacts, per variant.
 
 Compared: the global facts (config, toolchain, min_driver), then per variant
-the cubin (sha256, size), resources (registers, local memory, stack, static
+the PTX the cubin was assembled from (``ptx_sha256``; a cubin change with
+the same PTX is labelled "(same PTX)"), the cubin (sha256, size), resources (registers, local memory, stack, static
 shared memory, spills), launch shape, parameter ABI, entry, tensor maps,
 workspaces, SM count, ptxas version and notes, and, when both artifacts carry
 a ``verify-<device>.json`` for the same device, what the driver reported and
@@ -33,6 +34,7 @@ _VARIANT_FIELDS = {
     "launch.cluster": "launch",
     "launch.smem": "launch",
     "launch.pdl": "launch",
+    "ptx_sha256": "info",
     "sha256": "info",
     "size": "info",
     "resources.registers": "info",
@@ -115,9 +117,19 @@ def diff_manifests(a: dict, b: dict, verify_a: dict | None = None,
                     if fx.get(key) != fy.get(key):
                         changes.append(Change(name, key, fx.get(key), fy.get(key), kind))
             else:
-                changes.append(Change(name, dotted, x, y, kind))
+                changes.append(Change(name, _label(dotted, va[name], vb[name]), x, y, kind))
     changes += _diff_verify(verify_a or {}, verify_b or {})
     return changes
+
+
+def _label(dotted: str, a: dict, b: dict) -> str:
+    """A cubin change from the same PTX is ptxas's own variation (its register
+    allocation can follow heap addresses: artifacts/FORMAT.md): said so."""
+    if dotted in ("sha256", "size", "resources.registers"):
+        ptx = a.get("ptx_sha256")
+        if ptx is not None and ptx == b.get("ptx_sha256"):
+            return f"{dotted} (same PTX)"
+    return dotted
 
 
 def _diff_verify(a: dict, b: dict) -> list[Change]:

@@ -89,6 +89,7 @@ def variant_record(variant: Variant, result: dict, key: str, packed: bytes) -> d
             "spills": 0 if kernel.frame_bytes == 0 else None,
         },
         "workspace": result["workspace"],
+        "ptx_sha256": result.get("ptx_sha256"),
         "ptxas": info.ptxas_version,
         "toolkit": info.toolkit,
         "notes": result.get("notes", {}),

@@ -15,6 +15,7 @@ name the variant and keep the other results.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import tempfile
 import time
@@ -30,8 +31,10 @@ def init(arch: str, scratch: str) -> None:
     The DSL writes the PTX/cubin it is asked to keep into ``CUTE_DSL_DUMP_DIR``
     (default: the working directory); a private directory under ``scratch``
     (which the parent removes after the build) keeps those files out of the
-    user's tree. Its path never reaches the cubins (clean builds from other
-    scratch directories are byte-identical: tests/test_pipeline_dsl.py)."""
+    user's tree and away from other workers: the DSL reads its cubin back
+    from that directory, and compiles sharing one directory once returned an
+    empty cubin (1 in 6 concurrent compiles of one kernel). The path never
+    reaches the cubins (tests/test_pipeline_dsl.py)."""
     registry.prepare_process(arch)
     os.environ["CUTE_DSL_DUMP_DIR"] = tempfile.mkdtemp(prefix=f"{arch}-", dir=scratch)
 
@@ -74,6 +77,9 @@ def result_to_dict(compiled: CompiledKernel) -> dict:
         "tensor_maps": list(compiled.tensor_maps),
         "workspace": [dataclasses.asdict(w) for w in compiled.workspace],
         "notes": _jsonable(compiled.notes),
+        # The code ptxas was given: equal PTX with unequal cubins is ptxas's
+        # own variation (artifacts/FORMAT.md, "Reproducibility").
+        "ptx_sha256": hashlib.sha256(compiled.ptx.encode()).hexdigest() if compiled.ptx else None,
     }
 
 

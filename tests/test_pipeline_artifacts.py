@@ -215,6 +215,27 @@ def test_diff_classifies_changes(tmp_path, full):
                                   "kind": "info"}]  # fmt: skip
 
 
+def test_diff_says_when_a_cubin_changed_but_its_ptx_did_not(tmp_path, full):
+    """ptxas can assemble one PTX into different cubins (artifacts/FORMAT.md,
+    "Reproducibility"): with equal ptx_sha256 the change is labelled so."""
+    ptx = "ab" * 32
+    a = copy_artifact(full, tmp_path / "a")
+    edit_manifest(a, lambda m: m["variants"][2].update(ptx_sha256=ptx))
+    b = copy_artifact(full, tmp_path / "b")
+
+    def reassembled(m):
+        m["variants"][2].update(ptx_sha256=ptx)
+        m["variants"][2]["resources"].update(registers=201)
+
+    edit_manifest(b, reassembled)
+    code, stdout, _ = run("diff", a, b, "--json")
+    (change,) = json.loads(stdout)["changes"]
+    assert code == 0 and change["field"] == "resources.registers (same PTX)"
+    edit_manifest(b, lambda m: m["variants"][2].update(ptx_sha256="cd" * 32))
+    fields = {c["field"] for c in json.loads(run("diff", a, b, "--json")[1])["changes"]}
+    assert fields == {"ptx_sha256", "resources.registers"}
+
+
 def test_diff_across_configs_and_selections(tmp_path, full, stub_env):
     other = build(tmp_path / "other", "--arch", "sm_90a", config=copy_config(tmp_path, top_k=6))
     code, stdout, _ = run("diff", full, other, "--json")

@@ -12,7 +12,7 @@ from pipeline_support import GLM5, build, compiled, manifest, use_stub
 from kernels import registry
 from kernels.spec import KernelSpec
 from pipeline import toolchain
-from pipeline.cache import BuildCache, cache_key, source_hashes
+from pipeline.cache import CACHE_FORMAT, BuildCache, cache_key, source_hashes
 
 SPEC = KernelSpec(kernel="mega", arch="sm_90a", hidden=4096, inter=512, experts=288, top_k=8,
                   scale=2.5, limit=10.0, ue8m0=False, tokens=1, logits_dtype="float32",
@@ -132,7 +132,7 @@ def test_cache_entries_are_checked_and_rewritten(tmp_path):
     cache.put("ab" * 32, result)
     got = cache.get("ab" * 32)
     assert got == {"cubin": result["cubin"], "entry": "k"}
-    entry = tmp_path / "cache" / "v1" / "ab" / ("ab" * 32)
+    entry = tmp_path / "cache" / f"v{CACHE_FORMAT}" / "ab" / ("ab" * 32)
     (entry / "cubin").write_bytes(b"corrupted")
     assert cache.get("ab" * 32) is None
     cache.put("ab" * 32, result)

@@ -101,6 +101,7 @@ def test_real_kernel_builds_and_verifies(tmp_path, monkeypatch, kernel, arch, va
     (record,) = manifest(out)["variants"]
     assert record["name"] == variant and record["arch"] == arch
     assert [p["name"] for p in record["params"]] and record["resources"]["registers"] > 0
+    assert len(record["ptx_sha256"]) == 64
 
 
 def test_compile_keeps_cutlass_out_of_the_parent(tmp_path, fake_env):
