@@ -126,8 +126,8 @@ def compile_cmd(config, out, archs, kernels, patterns, jobs, shard, cache_dir, n
 def merge(inputs, out):
     """Join shard artifacts (compile --shard i/n) into one artifact.
 
-    The result is byte-identical to building the same selection on one
-    machine. Refuses inputs of different configs or toolchains, and a set of
+    The result is byte-identical to building the same selection, with the
+    same cubins, on one machine. Refuses inputs of different configs or toolchains, and a set of
     shards with one missing or repeated.
     """
     sys.exit(commands.merge(inputs, out))

@@ -1,8 +1,9 @@
 """Turning compiled variants into the artifact's manifest (artifacts/FORMAT.md).
 
 Everything written here is a pure function of the compiled results and the
-config, so two builds of the same inputs produce byte-identical manifests and
-cubin files. Per variant, the ABI the kernel module declares is checked
+config: the same cubins give byte-identical manifests and cubin files (ptxas
+need not give the same cubins for the same PTX: artifacts/FORMAT.md,
+"Reproducibility"). Per variant, the ABI the kernel module declares is checked
 against what ptxas recorded in the cubin (entry symbol, parameter count and
 sizes, ``.reqntid``, architecture) before it is written down.
 """

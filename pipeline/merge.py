@@ -6,8 +6,8 @@ all be present: the same count, every index once, and together exactly the
 names of their recorded selection. Inputs without a shard record (e.g. one
 build per ``--arch``) are joined as they are. Variant records and compressed
 cubins are copied unchanged and the manifest is rebuilt by the same function
-as ``compile`` uses, so merging the shards of a build gives a manifest
-byte-identical to the single-machine build of the same selection.
+as ``compile`` uses, so merging the shards of a build gives the manifest a
+single-machine build of the same selection with the same cubins would.
 """
 
 from __future__ import annotations
