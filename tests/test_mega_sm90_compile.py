@@ -70,6 +70,11 @@ def test_variants_build_into_wgmma_tma_and_no_local_memory(built):
         assert count(ops, "WARPGROUP.DEPBAR") == loads, ops  # one wait_group per stage
         assert count(ops, "REDUX") >= 2, ops  # warp routing (redux.sync)
         assert count(ops, "STAS") >= 1, ops  # st.async into peer CTAs
+        # The producer polls (mbarrier.test_wait, no TRYWAIT) for each free
+        # stage after the first ring's worth: racecheck hangs on try_wait
+        # there (kernels/mega_moe_sm90.py, "Cluster waits").
+        free_waits = loads - notes["stages"]
+        assert ops.get("SYNCS.PHASECHK.TRANS64", 0) == free_waits, ops
         assert "LDL" not in ops and "STL" not in ops, ops
         assert res["LOCAL"] == 0 and res["STACK"] == 0, res
         # The CTAs per SM the ring depth was chosen for fit.
