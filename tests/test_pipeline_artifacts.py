@@ -18,16 +18,10 @@ from pipeline_support import (
     leftovers,
     manifest,
     run,
-    use_stub,
 )
 
 from runtime import artifact
 from runtime.artifact import canonical_json
-
-
-@pytest.fixture
-def stub_env(tmp_path, monkeypatch):
-    return use_stub(tmp_path, monkeypatch)
 
 
 @pytest.fixture

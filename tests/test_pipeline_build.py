@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
 from pipeline_support import (
     GLM5,
     artifact_files,
@@ -14,15 +13,9 @@ from pipeline_support import (
     leftovers,
     manifest,
     run,
-    use_stub,
 )
 
 from runtime import artifact
-
-
-@pytest.fixture
-def stub_env(tmp_path, monkeypatch):
-    return use_stub(tmp_path, monkeypatch)
 
 
 def test_compile_writes_an_artifact_the_runtime_reads(tmp_path, stub_env):

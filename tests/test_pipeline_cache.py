@@ -6,8 +6,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 
-import pytest
-from pipeline_support import GLM5, build, compiled, manifest, use_stub
+from pipeline_support import GLM5, build, compiled, manifest
 
 from kernels import registry
 from kernels.spec import KernelSpec
@@ -36,11 +35,6 @@ CHANGED = {
 }
 SOURCES = {"kernels/mega_moe_sm90.py": "0" * 64, "kernels/spec.py": "1" * 64}
 TOOLS = {"dsl": {"nvidia-cutlass-dsl": "4.8.1"}, "compiler": {}, "python": "3.11", "env": {}}
-
-
-@pytest.fixture
-def stub_env(tmp_path, monkeypatch):
-    return use_stub(tmp_path, monkeypatch)
 
 
 def test_every_spec_field_changes_the_key():
