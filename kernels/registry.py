@@ -1,9 +1,12 @@
 """Which module builds which (kernel, arch), and how to call it.
 
 A kernel module defines ``compile_kernel(spec: KernelSpec) -> CompiledKernel``.
-The files whose text decides its code are the module and everything it imports
-from ``kernels/``, found by reading imports (``source_files``), so the build
-cache never needs cutlass to compute a key.
+The files whose text can decide its code (``source_files``) are every Python
+file of the ``kernels`` package, whatever imports them and however (absolute,
+relative, lazily inside a function), plus the module itself and what it
+imports, absolutely or relatively, when it lives outside the package (the
+stand-in kernels of the tests). Found by listing and parsing, importing
+nothing, so the build cache never needs cutlass to compute a key.
 
 CuTe DSL reads the target architecture from ``CUTE_DSL_ARCH`` when cutlass is
 first imported (setting it later has no effect: measured with 4.8.1), so one
@@ -15,8 +18,8 @@ from __future__ import annotations
 
 import ast
 import importlib
-import importlib.util
 import os
+import sys
 from pathlib import Path
 
 from kernels.spec import CompiledKernel, KernelSpec
@@ -78,36 +81,76 @@ def compile_variant(spec: KernelSpec) -> CompiledKernel:
 
 
 def source_files(kernel: str, arch: str) -> list[Path]:
-    """The module of (kernel, arch) and every ``kernels`` module it imports,
-    transitively (sorted, absolute); found by parsing, importing nothing."""
-    seen: set[Path] = set()
+    """Every ``.py`` file of the ``kernels`` package, plus the module of
+    (kernel, arch) and the modules it imports transitively (absolute and
+    relative imports) where those lie outside the package; sorted, absolute.
+
+    Hashing the whole package costs a few more rebuilds (an edit to one
+    kernel's file also re-keys the other kernels) and can never miss a file
+    that a compile reads."""
+    seen: set[Path] = set(package_files())
     todo = [module_name(kernel, arch)]
+    parsed: set[Path] = set()
     while todo:
-        path = _module_path(todo.pop())
-        if path is None or path in seen:
+        name = todo.pop()
+        path = _module_path(name)
+        if path is None or path in parsed:
             continue
+        parsed.add(path)
         seen.add(path)
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         tree = ast.parse(path.read_text(), filename=str(path))
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
                 todo.extend(alias.name for alias in node.names)
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                todo.append(node.module)
-                todo.extend(f"{node.module}.{alias.name}" for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = _absolute(node.module, node.level, package)
+                if base is None:
+                    continue
+                if base:
+                    todo.append(base)
+                todo.extend(f"{base}.{alias.name}" if base else alias.name for alias in node.names)
     return sorted(seen)
 
 
-def _module_path(name: str) -> Path | None:
-    """File of a ``kernels.*`` module or package (or of a module named in
-    ``$MOE_BUILD_KERNEL_MODULES``), or None for anything else."""
-    parts = name.split(".")
-    if name in modules().values() and parts[0] != "kernels":
-        spec = importlib.util.find_spec(name)
-        return Path(spec.origin).resolve() if spec and spec.origin else None
-    if parts[0] != "kernels":
+def package_files() -> list[Path]:
+    """Every Python source file under ``kernels/`` (sorted, absolute)."""
+    return sorted(p.resolve() for p in KERNELS_DIR.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def _absolute(module: str | None, level: int, package: str) -> str | None:
+    """The absolute name of ``from <level dots><module> import ...`` inside
+    ``package`` ("" for a top-level ``from . import x`` target; None when the
+    dots climb above the top)."""
+    if level == 0:
+        return module
+    parts = package.split(".") if package else []
+    if level - 1 > len(parts):
         return None
-    base = KERNELS_DIR.joinpath(*parts[1:])
-    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
-        if candidate.is_file():
-            return candidate.resolve()
+    base = parts[: len(parts) - (level - 1)]
+    if module:
+        base.append(module)
+    return ".".join(base)
+
+
+def _module_path(name: str) -> Path | None:
+    """File of a ``kernels.*`` module or package, or of a module outside the
+    package that is named in ``$MOE_BUILD_KERNEL_MODULES`` or imported by one
+    (found on ``sys.path``, never imported); None for anything else (the
+    standard library, cutlass, torch)."""
+    parts = name.split(".")
+    if parts[0] == "kernels":
+        base = KERNELS_DIR.joinpath(*parts[1:])
+        for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+            if candidate.is_file():
+                return candidate.resolve()
+        return None
+    outside = {m.split(".")[0] for m in modules().values() if not m.startswith("kernels")}
+    if parts[0] not in outside:
+        return None
+    for root in map(Path, sys.path or ["."]):
+        base = root.joinpath(*parts)
+        for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+            if candidate.is_file():
+                return candidate.resolve()
     return None

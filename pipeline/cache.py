@@ -3,9 +3,11 @@ when, every input that can change its generated code is the same.
 
 The key is the sha256 of the canonical JSON of:
 - ``spec``: every KernelSpec field (kernel, arch, shape, bucket, dtype, SMs...);
-- ``sources``: sha256 of each file of the kernel's module and of the
-  ``kernels`` modules it imports (``kernels.registry.source_files``), named
-  relative to the repository so the checkout location does not matter;
+- ``sources``: sha256 of every Python file of the ``kernels`` package (so a
+  helper reached through any import, relative ones included, is covered) and
+  of a kernel module outside the package with what it imports
+  (``kernels.registry.source_files``), named relative to the repository so
+  the checkout location does not matter;
 - ``toolchain``: the DSL distributions and versions, the DSL's fingerprint of
   its compiler library, the Python version, and the set CUTE_DSL_* variables
   that can change code generation (pipeline.toolchain.identity).

@@ -79,19 +79,59 @@ def test_dsl_environment_keeps_only_what_can_change_code():
     }
 
 
-def test_source_hashes_follow_imports_and_name_files_relative(tmp_path, monkeypatch):
+def test_source_hashes_cover_the_package_and_an_outside_module(tmp_path, monkeypatch):
     module = tmp_path / "cache_probe_kernel.py"
     module.write_text("from kernels.spec import KernelSpec\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv(registry.MODULES_ENV, "mega/sm_90a=cache_probe_kernel")
     first = source_hashes("mega", "sm_90a")
-    assert set(first) == {"cache_probe_kernel.py", "kernels/spec.py"}
+    package = {p.relative_to(registry.KERNELS_DIR.parent).as_posix()
+               for p in registry.KERNELS_DIR.rglob("*.py") if "__pycache__" not in p.parts}  # fmt: skip
+    assert {"kernels/ptx/fmath.py", "kernels/ptx/mbarrier.py", "kernels/spec.py"} <= package
+    assert set(first) == package | {"cache_probe_kernel.py"}
     spec_bytes = (registry.KERNELS_DIR / "spec.py").read_bytes()
     assert first["kernels/spec.py"] == hashlib.sha256(spec_bytes).hexdigest()
     module.write_text("from kernels.spec import KernelSpec\n# edited\n")
     assert (
         source_hashes("mega", "sm_90a")["cache_probe_kernel.py"] != first["cache_probe_kernel.py"]
     )
+
+
+def test_relative_imports_of_an_outside_kernel_are_followed(tmp_path, monkeypatch):
+    """A stand-in kernel package reaching its helpers through ``from . import``
+    and ``from ..x import``: each helper is hashed, and editing it re-keys."""
+    pkg = tmp_path / "probe_pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "helper.py").write_text("X = 1\n")
+    (pkg / "sub" / "kernel.py").write_text("from .. import helper\nfrom ..helper import X\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv(registry.MODULES_ENV, "mega/sm_90a=probe_pkg.sub.kernel")
+    first = source_hashes("mega", "sm_90a")
+    assert {"kernel.py", "helper.py"} <= set(first)
+    (pkg / "helper.py").write_text("X = 2\n")
+    assert source_hashes("mega", "sm_90a")["helper.py"] != first["helper.py"]
+
+
+def test_editing_a_ptx_helper_changes_every_kernel_key(tmp_path, monkeypatch):
+    """The PTX helpers are reached through relative imports (``from ._asm
+    import``); an edit to one (``div.rn`` -> ``div.approx``) must give every
+    kernel a new cache key, or a build would serve the old cubin."""
+    import shutil
+
+    root = tmp_path / "checkout"
+    shutil.copytree(registry.KERNELS_DIR, root / "kernels",
+                    ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
+    monkeypatch.setattr(registry, "KERNELS_DIR", root / "kernels")
+    fmath = root / "kernels" / "ptx" / "fmath.py"
+    text = fmath.read_text()
+    assert "div.rn" in text
+    before = {t: cache_key(SPEC, source_hashes(*t), TOOLS) for t in registry.MODULES}
+    fmath.write_text(text.replace("div.rn", "div.approx", 1))
+    after = {t: cache_key(SPEC, source_hashes(*t), TOOLS) for t in registry.MODULES}
+    for target in registry.MODULES:
+        assert after[target] != before[target], target
 
 
 def test_keys_ignore_output_jobs_shard_and_order(tmp_path, stub_env):
