@@ -54,6 +54,7 @@ from kernels.grouped_plan import (
     TILE,
     TILE_BITS,
     UNIT_BITS,
+    WAIT_TIMEOUT_NS,
     GroupedPlan,
     SmemLayout,
 )
@@ -70,6 +71,19 @@ FULL_ARRIVALS = 1 + 32 + 32
 # Named barriers (0 is __syncthreads): 1 the epilogue group, 2 unit tables
 # ready, 3 routes ranked.
 BAR_EPILOGUE, BAR_TABLES, BAR_RANKED = 1, 2, 3
+
+
+@cute.jit
+def wait_at_least(counter: Int64, target: Uint32):
+    """Polls the global word ``counter`` (acquire, GPU scope) until it is at
+    least ``target``. Other CTAs raise it; every CTA of the grid is resident
+    at once (cooperative launch), so the wait ends. If it has not after
+    ``WAIT_TIMEOUT_NS`` the thread traps, so the launch fails with an error
+    instead of spinning forever."""
+    start = ptx.globaltimer()
+    while ptx.ld_acquire_gpu_u32(counter) < target:
+        if ptx.globaltimer() - start > Int64(WAIT_TIMEOUT_NS):
+            ptx.trap()
 
 
 def view(addr: Int32, dtype, n: int, align: int = 4):
@@ -326,8 +340,7 @@ class GroupedCommon:
         if tid == 0:
             if cta < self.tokens:
                 ptx.red_add_release_gpu_u32(mine, Uint32(1))
-            while ptx.ld_acquire_gpu_u32(mine) < Uint32(self.tokens):
-                pass
+            wait_at_least(mine, Uint32(self.tokens))
         cute.arch.sync_threads()
         ptx.fence_acq_rel_gpu()
         return mine
@@ -646,8 +659,7 @@ class GroupedCommon:
                     if fc2:
                         if lane == 0:
                             ready = unit_ready + Int64(unit) * 4
-                            while ptx.ld_acquire_gpu_u32(ready) < Uint32(self.pairs):
-                                pass
+                            wait_at_least(ready, Uint32(self.pairs))
                         cute.arch.sync_warp()
                         ptx.fence_acq_rel_gpu()
                         for i in cutlass.range(lane, count * self.nk2, 32, unroll=1):
@@ -750,8 +762,7 @@ class GroupedCommon:
                     ptx.red_add_release_gpu_u32(arrivals, Uint32(1))
             else:
                 if e == 0:
-                    while ptx.ld_acquire_gpu_u32(arrivals) < Uint32(last - first):
-                        pass
+                    wait_at_least(arrivals, Uint32(last - first))
                 ptx.bar_sync(BAR_EPILOGUE, EPILOGUE_THREADS)
                 ptx.fence_acq_rel_gpu()
                 for c in cutlass.range(first + 1, last + 1, unroll=1):
@@ -855,8 +866,7 @@ class GroupedCommon:
             if tid == 0:
                 ptx.fence_acq_rel_gpu()
                 ptx.red_add_release_gpu_u32(finished, Uint32(1))
-                while ptx.ld_acquire_gpu_u32(finished) < Uint32(self.grid):
-                    pass
+                wait_at_least(finished, Uint32(self.grid))
             cute.arch.sync_threads()
             ptx.fence_acq_rel_gpu()
             self.finish_tokens(out, shared_out, final, weights, cta, tid)

@@ -35,6 +35,13 @@ DEPTH = 2  # K blocks of a weight stage
 SPLIT_UNITS = 40  # above this many units, halves A and B
 STAGE_BYTES = TILE * TILE  # one FP8 128 x 128 box
 FP8_MAX = 448.0
+#: How long a CTA waits on other CTAs' counters before it traps (ns of
+#: ``%globaltimer``). The waits last microseconds when every CTA is resident
+#: (the runtime launches the kernel cooperatively, which guarantees that);
+#: the bound turns a wait that can never end (a CTA that never runs) into a
+#: launch error instead of a hung GPU. Generous, so that a call slowed by
+#: compute-sanitizer's instrumentation still ends normally.
+WAIT_TIMEOUT_NS = 10_000_000_000
 
 # Stage word: unit (bits 0-9), row tile (10-15), K block (16-21), FC2 (22),
 # half (23), opens (24), closes (25). END ends a role's stage list.

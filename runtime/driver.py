@@ -2,8 +2,9 @@
 result: a failure raises DriverError naming the call and the CUresult.
 
 Only what the runtime needs: device facts, primary contexts, libraries and
-functions, function attributes, occupancy, raw allocations (workspaces) and
-``cuLaunchKernelEx``. Devices are CUDA ordinals (torch's ``device.index``).
+functions, function attributes, occupancy, raw allocations (workspaces),
+``cuLaunchKernelEx``, and the stream-capture queries and user objects that
+tie a captured launch's resources to its graph (runtime.graphs). Devices are CUDA ordinals (torch's ``device.index``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from cuda.bindings import driver as cu
 
 from runtime.errors import DriverError
 
-_lock = threading.Lock()
+#: Serializes allocation and freeing; re-entrant, because a garbage collection
+#: inside ``alloc`` can run a finalizer that frees.
+_lock = threading.RLock()
 
 
 def check(result, call: str):
@@ -121,9 +124,12 @@ def set_function_attribute(function, attr: str, value: int) -> None:
     check(cu.cuFuncSetAttribute(function, which, value), f"cuFuncSetAttribute({attr}={value})")
 
 
-def launch_config(grid, block, smem: int, cluster=None, pdl: bool = False):
+def launch_config(grid, block, smem: int, cluster=None, pdl: bool = False,
+                  cooperative: bool = False):  # fmt: skip
     """A ``CUlaunchConfig`` (stream left 0) with programmatic stream
-    serialization = ``pdl`` and, for clustered launches, the cluster shape."""
+    serialization = ``pdl``, for clustered launches the cluster shape, and
+    with ``cooperative`` the cooperative attribute (the driver starts the
+    grid only with all its CTAs resident at once, or fails the launch)."""
     config = cu.CUlaunchConfig()
     config.gridDimX, config.gridDimY, config.gridDimZ = grid
     config.blockDimX, config.blockDimY, config.blockDimZ = block
@@ -133,6 +139,11 @@ def launch_config(grid, block, smem: int, cluster=None, pdl: bool = False):
     serialize.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
     serialize.value.programmaticStreamSerializationAllowed = int(pdl)
     attrs.append(serialize)
+    if cooperative:
+        together = cu.CUlaunchAttribute()
+        together.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_COOPERATIVE
+        together.value.cooperative = 1
+        attrs.append(together)
     if cluster is not None:
         shape = cu.CUlaunchAttribute()
         shape.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
@@ -182,21 +193,54 @@ def relaxed_capture():
 
 def alloc(ordinal: int, nbytes: int, zero: bool) -> int:
     """Device memory outside any capture and outside torch's allocator;
-    zero-filled (and finished) before returning when ``zero``."""
+    zero-filled (and finished) before returning when ``zero``. Nothing leaks
+    when a step fails: the memory is freed before the error propagates."""
     with _lock, relaxed_capture(), context(ordinal):
         pointer = check(cu.cuMemAlloc(nbytes), f"cuMemAlloc({nbytes})")
-        if zero:
-            # A private stream: the legacy stream would join a capture in flight.
-            flags = cu.CUstream_flags.CU_STREAM_NON_BLOCKING
-            stream = check(cu.cuStreamCreate(flags), "cuStreamCreate")
-            try:
-                check(cu.cuMemsetD8Async(pointer, 0, nbytes, stream), "cuMemsetD8Async")
-                check(cu.cuStreamSynchronize(stream), "cuStreamSynchronize")
-            finally:
-                check(cu.cuStreamDestroy(stream), "cuStreamDestroy")
+        try:
+            if zero:
+                _zero(pointer, nbytes)
+        except BaseException:
+            cu.cuMemFree(pointer)
+            raise
         return int(pointer)
 
 
+def _zero(pointer, nbytes: int) -> None:
+    # A private stream: the legacy stream would join a capture in flight.
+    flags = cu.CUstream_flags.CU_STREAM_NON_BLOCKING
+    stream = check(cu.cuStreamCreate(flags), "cuStreamCreate")
+    try:
+        check(cu.cuMemsetD8Async(pointer, 0, nbytes, stream), "cuMemsetD8Async")
+        check(cu.cuStreamSynchronize(stream), "cuStreamSynchronize")
+    finally:
+        check(cu.cuStreamDestroy(stream), "cuStreamDestroy")
+
+
 def free(ordinal: int, pointer: int) -> None:
-    with context(ordinal):
+    """``cuMemFree`` in relaxed capture mode: a free that runs while another
+    thread captures a graph (a garbage collection, say) neither fails nor
+    invalidates that capture."""
+    with _lock, relaxed_capture(), context(ordinal):
         check(cu.cuMemFree(cu.CUdeviceptr(pointer)), "cuMemFree")
+
+
+def capturing_graph(stream: int):
+    """The ``CUgraph`` that ``stream`` (a raw CUstream handle) is being
+    captured into, or None when it is not capturing."""
+    result = cu.cuStreamGetCaptureInfo(cu.CUstream(stream))
+    check(result[:2], "cuStreamGetCaptureInfo")
+    if result[1] != cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE:
+        return None
+    return result[3]
+
+
+def retain_in_graph(graph, key: int, destroy) -> None:
+    """Creates a user object whose destructor is ``destroy(key)`` (a ``CUhostFn``
+    address; it runs on a driver thread and may not call CUDA) and moves its
+    one reference into ``graph``: the destructor runs once the graph and
+    every executable graph instantiated from it are destroyed."""
+    flags = cu.CUuserObject_flags.CU_USER_OBJECT_NO_DESTRUCTOR_SYNC
+    obj = check(cu.cuUserObjectCreate(key, cu.CUhostFn(destroy), 1, flags), "cuUserObjectCreate")
+    move = cu.CUuserObjectRetain_flags.CU_GRAPH_USER_OBJECT_MOVE
+    check(cu.cuGraphRetainUserObject(graph, obj, 1, move), "cuGraphRetainUserObject")

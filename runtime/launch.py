@@ -5,7 +5,15 @@ in the device's primary context), sets its dynamic shared memory limit (and
 the non-portable cluster size above 8 CTAs), and refuses a device that cannot
 run it: shared memory beyond the opt-in limit, a block larger than the
 function allows, no block or cluster that fits on an SM, or, for a persistent
-kernel (its CTAs wait on each other), a grid that cannot be fully resident.
+kernel (its CTAs wait on each other), a grid that cannot be fully resident or
+a device without cooperative launches.
+
+A persistent kernel is launched cooperatively: the driver starts its grid
+only when every CTA can be resident at once, whatever else the GPU runs
+(kernels on other streams, another persistent launch, MPS clients), so its
+CTAs never wait on a CTA that is not running. Without it, two persistent
+launches on two streams, or one beside another stream's kernel, can each
+hold part of the SMs and wait forever for the rest.
 
 A launch is ``cuLaunchKernelEx`` with the recorded grid, block, cluster and
 dynamic shared memory, programmatic stream serialization = the record's
@@ -44,9 +52,16 @@ class Launcher:
         kernel = driver.library_kernel(library, variant.entry)
         self.function = driver.kernel_function(kernel, ordinal)
         self._configure(launch)
+        self.cooperative = persistent
+        if persistent and not driver.attribute(ordinal, "COOPERATIVE_LAUNCH"):
+            raise DeviceRefused(
+                f"variant {variant.name}: a persistent kernel needs cooperative launches; "
+                f"device {ordinal} does not support them"
+            )
         self.config = driver.launch_config(
-            launch.grid, launch.block, launch.smem, launch.cluster, launch.pdl
-        )
+            launch.grid, launch.block, launch.smem, launch.cluster, launch.pdl,
+            cooperative=persistent,
+        )  # fmt: skip
         self.residency = self._check_residency(launch, persistent)
         n = len(self.names)
         # One 8-byte slot per parameter; an i32 reads the slot's low 4 bytes.

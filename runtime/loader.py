@@ -17,7 +17,7 @@ import threading
 
 import torch
 
-from runtime import driver, tensormap
+from runtime import driver, graphs, tensormap
 from runtime.artifact import ArtifactData, Variant, read
 from runtime.errors import ArtifactError, DeviceRefused
 from runtime.inputs import check_weights
@@ -91,7 +91,14 @@ class Artifact:
     def __init__(self, data: ArtifactData, arch: str, variants: tuple[Variant, ...]):
         self.data, self.arch, self.variants = data, arch, variants
         self.shape = model_shape(data)
-        self.libraries = {v.name: driver.load_library(v.cubin) for v in variants}
+        self.libraries = {}
+        try:
+            for v in variants:
+                self.libraries[v.name] = driver.load_library(v.cubin)
+        except BaseException:
+            for library in self.libraries.values():
+                driver.unload_library(library)
+            raise
         self._launchers: dict[tuple[str, int], Launcher] = {}
         self._workspaces: dict[int, Workspaces] = {}
         self._lock = threading.Lock()
@@ -144,7 +151,16 @@ class Artifact:
 
     def close(self) -> None:
         """Frees the workspaces and unloads the libraries; layers bound from
-        this artifact must not be called afterwards."""
+        this artifact must not be called afterwards. Refused (ArtifactError)
+        while a CUDA graph that captured one of its layers still exists:
+        destroy those graphs first (runtime.graphs)."""
+        graphs.release()
+        live = graphs.holding(lambda owner: getattr(owner, "artifact", None) is self)
+        if live:
+            raise ArtifactError(
+                f"artifact {self.data.source}: {live} captured CUDA graph launch(es) still use "
+                "its kernels and workspaces; destroy those graphs before close()"
+            )
         with self._lock:
             for spaces in self._workspaces.values():
                 spaces.close()

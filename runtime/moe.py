@@ -12,7 +12,10 @@ Each call validates its tensors, then launches on torch's current stream of
 the layer's device. Launches allocate only their outputs (torch's caching
 allocator) and the padded inputs when M is not a bucket; workspaces are made
 on a stream's first call, outside any capture. So a layer can be captured in
-a CUDA graph and replayed.
+a CUDA graph and replayed. A captured launch makes the graph hold the layer
+(runtime.graphs): the graph may be replayed after the caller dropped every
+reference to the layer and its artifact; what it points at is freed only
+once the graph and its instantiations are destroyed.
 
 Calls the mega kernel serves: mega variants with a ``shared_out`` parameter
 compute the shared expert in extra routes of the same launch; for older ones
@@ -27,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from runtime import driver
+from runtime import driver, graphs
 from runtime.errors import InputError
 from runtime.inputs import LOGITS, check_call
 from runtime.layout import logical_rows
@@ -180,6 +183,7 @@ class MoELayer:
     def _launch(self, variant, buffers: dict, bucket: int) -> None:
         """Fills ``variant``'s parameters by name and launches it on torch's
         current stream of the layer's device."""
+        graphs.release()
         stream = torch.cuda.current_stream(self.device).cuda_stream
         workspace = self.artifact.workspaces(self.ordinal).pointers(stream, variant)
         values = []
@@ -195,6 +199,9 @@ class MoELayer:
         # current would move torch's current device to this layer's: the CUDA
         # runtime takes the thread's current context as its device.
         with driver.context(self.ordinal):
+            # A graph being captured keeps this layer (weights, rows, maps,
+            # the artifact's workspaces and libraries) alive: runtime.graphs.
+            graphs.hold(stream, self)
             self.launchers[variant.name](stream, values)
 
     def _crop(self, m: int, out, ids, weights):

@@ -40,6 +40,7 @@ class FakeDriver:
         self.contexts: list[int] = []  # the thread's context stack (ordinals)
         self.functions, self.allocs, self.freed, self.launches = [], {}, [], []
         self.unloaded, self.artifacts = [], []
+        self.capturing, self.graph_objects = {}, {}
         self._params: dict[str, list[str]] = {}  # entry -> parameter names
         self._addresses = itertools.count(0x1000_0000, 0x10_0000)
 
@@ -48,7 +49,7 @@ class FakeDriver:
                      "unload_library", "library_kernel", "kernel_function", "function_attribute",
                      "set_function_attribute", "max_smem_optin", "sm_count", "launch_config",
                      "max_active_clusters", "max_active_blocks", "alloc", "free", "launch",
-                     "context"):  # fmt: skip
+                     "context", "attribute", "capturing_graph", "retain_in_graph"):  # fmt: skip
             monkeypatch.setattr(driver, name, getattr(self, name))
         return self
 
@@ -92,8 +93,12 @@ class FakeDriver:
     def sm_count(self, ordinal):
         return self.sms[self._known(ordinal)]
 
-    def launch_config(self, grid, block, smem, cluster=None, pdl=False):
-        return SimpleNamespace(grid=grid, block=block, smem=smem, cluster=cluster)
+    def launch_config(self, grid, block, smem, cluster=None, pdl=False, cooperative=False):
+        return SimpleNamespace(grid=grid, block=block, smem=smem, cluster=cluster,
+                               cooperative=cooperative)  # fmt: skip
+
+    def attribute(self, ordinal, attr):
+        return {"COOPERATIVE_LAUNCH": 1}[attr] if self._known(ordinal) is not None else 0
 
     def max_active_clusters(self, function, config, ordinal):
         return self.sms[self._known(ordinal)] // 8
@@ -108,6 +113,21 @@ class FakeDriver:
 
     def free(self, ordinal, pointer):
         self.freed.append((ordinal, pointer))
+
+    #: Stream handle -> the graph it is being captured into (tests set it).
+    capturing: dict = {}
+
+    def capturing_graph(self, stream):
+        return self.capturing.get(stream)
+
+    def retain_in_graph(self, graph, key, destroy):
+        """Records the user object; ``destroy_graph`` runs its destructor."""
+        self.graph_objects.setdefault(graph, []).append((key, destroy))
+
+    def destroy_graph(self, graph):
+        """What the driver does once a graph and its instantiations are gone."""
+        for key, destroy in self.graph_objects.pop(graph, []):
+            ctypes.CFUNCTYPE(None, ctypes.c_void_p)(destroy)(key)
 
     def make_current(self, ordinal):
         """Test set-up: what the thread's current context is before a call."""
@@ -304,3 +324,56 @@ def test_bind_checks_each_device(tmp_path, monkeypatch, fake, weights):
     with pytest.raises(DeviceRefused, match=r"persistent grid of 132 CTAs .* device 1 holds 114"):
         art.bind(_weights_on(weights, 1), device="cuda:1")
     assert art.bind(_weights_on(weights, 0), device="cuda:0").ordinal == 0
+
+
+def _launch_each(layer, ordinal: int) -> None:
+    """One launch of each of the layer's variants, outputs faked on the CPU."""
+    for v in layer.variants.values():
+        buffers = {**layer.tensors, **layer.rows, "maps": layer.maps[v.tensor_maps]}
+        for name in ("x", "logits", "bias", "out", "ids", "weights", "shared_out", "final"):
+            buffers[name] = _move(torch.zeros(4, dtype=torch.float32), ordinal)
+        layer._launch(v, buffers, v.tokens)
+
+
+def test_a_captured_graph_keeps_its_layer_alive(tmp_path, fake, weights):
+    """runtime/graphs.py: a launch into a capture makes the graph hold the
+    layer; deleting the layer and the artifact frees nothing while the graph
+    lives, ``close`` is refused, and destroying the graph frees it all (at the
+    next runtime call, never on the driver's thread)."""
+    import gc
+    import weakref
+
+    from runtime import graphs
+    from runtime.errors import ArtifactError
+
+    art = _artifact(tmp_path, fake, device="cuda:0")
+    layer = art.bind(_weights_on(weights, 0))
+    fake.capturing[0x5000] = "graph-1"
+    _launch_each(layer, 0)
+    fake.capturing.clear()
+    launches = len(layer.variants)
+    assert len(fake.graph_objects["graph-1"]) == launches
+    with pytest.raises(ArtifactError, match="captured CUDA graph"):
+        art.close()
+    fake.artifacts.remove(art)
+    alive = weakref.ref(art)
+    del layer, art
+    gc.collect()
+    assert alive() is not None and fake.freed == [] and fake.unloaded == []
+    fake.destroy_graph("graph-1")
+    gc.collect()
+    assert alive() is not None  # the destructor only queues the release
+    assert graphs.release() == launches
+    gc.collect()
+    assert alive() is None
+    assert fake.allocs and sorted(fake.freed) == sorted((fake.allocs[p], p) for p in fake.allocs)
+
+
+def test_an_eager_launch_holds_nothing(tmp_path, fake, weights):
+    from runtime import graphs
+
+    art = _artifact(tmp_path, fake, device="cuda:0")
+    layer = art.bind(_weights_on(weights, 0))
+    _launch_each(layer, 0)
+    assert fake.graph_objects == {}
+    assert graphs.holding(lambda owner: owner is layer) == 0

@@ -74,6 +74,9 @@ class FakeDriver:
 
     launch_config = staticmethod(driver.launch_config)
 
+    def attribute(self, ordinal, attr):
+        return {"COOPERATIVE_LAUNCH": 1}[attr]
+
 
 def _attributes(config) -> dict:
     out = {}
@@ -81,6 +84,8 @@ def _attributes(config) -> dict:
         ids = driver.cu.CUlaunchAttributeID
         if attr.id == ids.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION:
             out["pdl"] = attr.value.programmaticStreamSerializationAllowed
+        elif attr.id == ids.CU_LAUNCH_ATTRIBUTE_COOPERATIVE:
+            out["cooperative"] = attr.value.cooperative
         elif attr.id == ids.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION:
             c = attr.value.clusterDim
             out["cluster"] = (c.x, c.y, c.z)
@@ -106,7 +111,10 @@ def test_launch_configuration_on_blackwell(artifact, name, monkeypatch):
         assert attrs["cluster"] == (16, 1, 1) == variant.launch.cluster
         assert fake.attributes["NON_PORTABLE_CLUSTER_SIZE_ALLOWED"] == 1
         assert grid == (16 * 8, 1, 1)
+        assert "cooperative" not in attrs
     else:
+        # Its CTAs wait on each other: launched only with all of them resident.
+        assert attrs["cooperative"] == 1
         # Persistent: one CTA per SM of the recorded B200 SM count, no cluster.
         assert "cluster" not in attrs and grid == (148, 1, 1) == (variant.sms, 1, 1)
         assert "NON_PORTABLE_CLUSTER_SIZE_ALLOWED" not in fake.attributes

@@ -18,7 +18,7 @@ module             instructions
 ``memory``         global loads (``.nc``, acquire), stores (release), atomics,
                    shared loads / stores
 ``sync``           ``redux.sync`` u32, named barriers, proxy / acq_rel fences,
-                   ``griddepcontrol``
+                   ``griddepcontrol``, ``%globaltimer``, ``trap``
 ``tcgen05``        (sm_100a only; its own owner) TMEM, UMMA, commit
 =================  ============================================================
 
@@ -106,10 +106,12 @@ from .sync import (  # noqa: F401
     fence_acq_rel_cluster,
     fence_acq_rel_gpu,
     fence_proxy_async_shared,
+    globaltimer,
     griddepcontrol_launch_dependents,
     griddepcontrol_wait,
     redux_max_u32,
     redux_min_u32,
+    trap,
 )
 from .tma import (  # noqa: F401
     create_policy_evict_first,

@@ -1,9 +1,10 @@
 """Synchronization that is not an mbarrier: warp reductions, named
-barriers, memory/proxy fences and programmatic dependent launch."""
+barriers, memory/proxy fences, programmatic dependent launch, and what a
+bounded wait needs (the global timer, ``trap``)."""
 
 from __future__ import annotations
 
-from cutlass import Uint32
+from cutlass import Int64, Uint32
 from cutlass.cutlass_dsl import dsl_user_op
 
 from ._asm import asm
@@ -65,3 +66,17 @@ def griddepcontrol_wait(*, loc=None, ip=None) -> None:
 def griddepcontrol_launch_dependents(*, loc=None, ip=None) -> None:
     """``griddepcontrol.launch_dependents``: lets the next PDL grid start."""
     asm("griddepcontrol.launch_dependents;", "", "", memory=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def globaltimer(*, loc=None, ip=None) -> Int64:
+    """``mov.u64 %globaltimer``: the GPU's global nanosecond timer (it ticks
+    in steps of about a microsecond; only differences mean anything)."""
+    return asm("mov.u64 $0, %globaltimer;", "l", "", loc=loc, ip=ip)
+
+
+@dsl_user_op
+def trap(*, loc=None, ip=None) -> None:
+    """``trap``: aborts the grid; the launch reports an error to the host
+    (``CUDA_ERROR_LAUNCH_FAILED`` or similar), and the context is lost."""
+    asm("trap;", "", "", memory=True, loc=loc, ip=ip)
