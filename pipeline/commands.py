@@ -182,6 +182,9 @@ def diff(a, b, as_json) -> int:
     except ArtifactError as exc:
         _error(str(exc))
         return BAD_INPUT
+    except RecursionError:  # json.loads of a verify-*.json record nested past its limit
+        _error(f"{a} or {b}: a verify-*.json record nests too deeply to read")
+        return BAD_INPUT
     if as_json:
         click.echo(json.dumps(to_json(changes), indent=1, sort_keys=True, default=str))
     else:

@@ -8,10 +8,12 @@ A directory and its ``.tar.zst`` package read the same.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
+import shutil
 import tarfile
 import tempfile
 from dataclasses import dataclass
@@ -30,9 +32,19 @@ PARAM_KINDS = ("pointer", "i32")
 #: from the cubin; the launcher relies on it).
 PARAM_BYTES = {"pointer": 8, "i32": 4}
 TENSOR_MAPS = ("w13", "w2", "s13", "s2")
-#: An unpacked package may not grow past this (a zstandard bomb guard); a
-#: full two-arch build is a few tens of MB.
+#: An unpacked package may not grow past this (a zstandard bomb guard): every
+#: decompressed byte counts, tar headers and padding included. A full
+#: two-arch build is a few tens of MB. It also bounds each cubin's size.
 MAX_UNPACKED_BYTES = 1 << 30
+#: A package may hold at most this many members (a full build: well under a
+#: hundred cubins, their folder and the manifest).
+MAX_MEMBERS = 4096
+#: The tar headers of one member (pax and GNU long-name records included) may
+#: take at most this many decompressed bytes; a ustar header is 512.
+MAX_HEADER_BYTES = 1 << 16
+#: Lists and objects in a manifest may nest at most this deep (a real one: 5).
+MAX_JSON_DEPTH = 64
+_CHUNK = 1 << 20
 
 _VARIANT_KEYS = {
     "name": str, "kernel": str, "arch": str, "tokens": int, "logits_dtype": str,
@@ -123,8 +135,9 @@ def read(path: str | os.PathLike) -> ArtifactData:
 
     Raises ArtifactError naming the variant or key, the expectation and what
     was found, for: a missing or malformed manifest, a wrong schema or config
-    hash, a missing cubin, a size or sha256 mismatch (compressed or not), or a
-    package member that is a link, absolute, or escapes the unpack directory.
+    hash, a missing cubin, a size or sha256 mismatch (compressed or not), a
+    size past MAX_UNPACKED_BYTES, a manifest nested past MAX_JSON_DEPTH, or a
+    package ``unpack`` refuses (hostile members, limits, write errors).
     """
     path = Path(path)
     if path.is_dir():
@@ -136,45 +149,133 @@ def read(path: str | os.PathLike) -> ArtifactData:
         return _read_dir(_root_of(Path(tmp), path), source=str(path))
 
 
-def unpack(archive: str | os.PathLike, dest: str | os.PathLike,
-           max_bytes: int = MAX_UNPACKED_BYTES) -> None:  # fmt: skip
+def unpack(archive: str | os.PathLike, dest: str | os.PathLike, max_bytes: int = MAX_UNPACKED_BYTES,
+           max_members: int = MAX_MEMBERS) -> None:  # fmt: skip
     """Unpacks a tar + zstandard package into the existing directory ``dest``,
     accepting only regular files and directories whose names stay inside
-    ``dest`` (no absolute names, no ``..``, no links or device nodes)."""
+    ``dest`` (no absolute names, no ``..``, no links, device nodes or sparse
+    files), each file name once, no file where a directory goes or the reverse.
+
+    Limits (ArtifactError naming the package and the limit): more than
+    ``max_bytes`` decompressed bytes in all (every byte of the tar stream:
+    headers, pax and GNU long-name records, padding, data), more than
+    ``max_members`` members, more than MAX_HEADER_BYTES of headers for one
+    member. An unreadable stream or an OSError while writing (a name too
+    long, a full disk) is an ArtifactError too. On any failure, what this
+    call created under ``dest`` is removed again; what was there stays.
+    """
     dest = Path(dest).resolve()
-    total = 0
-    with open(archive, "rb") as raw:
-        try:
-            reader = zstandard.ZstdDecompressor().stream_reader(raw)
-            with tarfile.open(fileobj=reader, mode="r|") as tar:
-                for member in tar:
-                    target = _member_target(dest, member, archive)
-                    if member.isdir():
-                        target.mkdir(parents=True, exist_ok=True)
-                        continue
-                    total += member.size
-                    if total > max_bytes:
-                        raise ArtifactError(
-                            f"package {archive}: unpacks to more than {max_bytes} bytes"
-                        )
-                    if target.exists():
-                        raise ArtifactError(f"package {archive}: member {member.name!r} repeats")
-                    target.parent.mkdir(parents=True, exist_ok=True)
-                    source = tar.extractfile(member)
-                    with open(target, "wb") as out:
-                        out.write(source.read())
-        except (tarfile.TarError, zstandard.ZstdError, EOFError) as e:
+    created: list[Path] = []  # in creation order: files, and directories made for them
+    try:
+        with open(archive, "rb") as raw:
+            counted = _Counted(zstandard.ZstdDecompressor().stream_reader(raw), archive, max_bytes)
+            _unpack_members(counted, archive, dest, max_bytes, max_members, created)
+    except BaseException as e:
+        for path in reversed(created):
+            with contextlib.suppress(OSError):
+                if path.is_dir():
+                    path.rmdir()
+                else:
+                    path.unlink()
+        if isinstance(e, (tarfile.TarError, zstandard.ZstdError, EOFError)):
             raise ArtifactError(f"package {archive}: not a readable tar.zst ({e})") from e
+        if isinstance(e, OSError):
+            raise ArtifactError(f"package {archive}: cannot unpack ({e})") from e
+        raise
+
+
+def _unpack_members(counted: _Counted, archive, dest: Path, max_bytes: int, max_members: int,
+                    created: list[Path]) -> None:  # fmt: skip
+    written = members = 0
+    counted.reading_headers(True)
+    with tarfile.open(fileobj=counted, mode="r|") as tar:
+        while (member := tar.next()) is not None:
+            counted.reading_headers(False)
+            members += 1
+            if members > max_members:
+                raise ArtifactError(f"package {archive}: more than {max_members} members")
+            target = _member_target(dest, member, archive)
+            if member.isdir():
+                if target.exists() and not target.is_dir():
+                    raise ArtifactError(
+                        f"package {archive}: member {member.name!r} is a directory, but a file "
+                        "of that name came before"
+                    )
+                _make_dirs(dest, target, archive, member.name, created)
+            else:
+                written += member.size
+                if written > max_bytes:
+                    raise ArtifactError(
+                        f"package {archive}: unpacks to more than {max_bytes} bytes "
+                        f"(its files, up to {member.name!r})"
+                    )
+                if target.exists():
+                    raise ArtifactError(f"package {archive}: member {member.name!r} repeats")
+                _make_dirs(dest, target.parent, archive, member.name, created)
+                with open(target, "xb") as out:
+                    created.append(target)
+                    shutil.copyfileobj(tar.extractfile(member), out, _CHUNK)
+            counted.reading_headers(True)
+
+
+class _Counted:
+    """The decompressed tar stream of a package, as tarfile reads it, every
+    byte counted: ArtifactError once more than ``max_bytes`` came out in all,
+    or more than MAX_HEADER_BYTES since ``reading_headers(True)``."""
+
+    def __init__(self, stream, archive, max_bytes: int):
+        self._stream, self._archive, self._max = stream, archive, max_bytes
+        self.count = 0
+        self._headers_from: int | None = None
+
+    def reading_headers(self, reading: bool) -> None:
+        """Whether tarfile reads a member's headers now (until the next call)."""
+        self._headers_from = self.count if reading else None
+
+    def read(self, size: int = -1) -> bytes:
+        chunk = self._stream.read(_CHUNK if size is None or size < 0 else min(size, _CHUNK))
+        self.count += len(chunk)
+        if self.count > self._max:
+            raise ArtifactError(
+                f"package {self._archive}: unpacks to more than {self._max} bytes "
+                "(decompressed tar stream, headers included)"
+            )
+        if self._headers_from is not None and self.count - self._headers_from > MAX_HEADER_BYTES:
+            raise ArtifactError(
+                f"package {self._archive}: a member's tar headers (pax or GNU long-name "
+                f"records) take more than {MAX_HEADER_BYTES} bytes"
+            )
+        return chunk
+
+
+def _make_dirs(dest: Path, path: Path, archive, name: str, created: list[Path]) -> None:
+    """Creates ``path`` (inside ``dest``) and its missing parents, recording
+    each; refuses a file where one of them goes."""
+    current = dest
+    for part in path.relative_to(dest).parts:
+        current = current / part
+        if current.is_dir():
+            continue
+        if current.exists():
+            raise ArtifactError(
+                f"package {archive}: member {name!r}: {str(current.relative_to(dest))!r} "
+                "is a file, not a directory"
+            )
+        current.mkdir()
+        created.append(current)
 
 
 def _member_target(dest: Path, member: tarfile.TarInfo, archive) -> Path:
     name = member.name
-    if not (member.isfile() or member.isdir()):
+    if not (member.isfile() or member.isdir()) or member.issparse():
         kind = "link" if (member.issym() or member.islnk()) else "special file"
+        kind = "sparse file" if member.issparse() else kind
         raise ArtifactError(
             f"package {archive}: member {name!r} is a {kind}; only regular files "
             "and directories are accepted"
         )
+    if "\0" in name:
+        raise ArtifactError(f"package {archive}: member {name!r} has a NUL in its name")
     pure = PurePosixPath(name)
     if pure.is_absolute() or name.startswith(("/", "\\")) or re.match(r"^[A-Za-z]:", name):
         raise ArtifactError(f"package {archive}: member {name!r} has an absolute path")
@@ -202,18 +303,27 @@ def _read_dir(root: Path, source: str) -> ArtifactData:
     if not manifest_path.is_file():
         raise ArtifactError(f"artifact {source}: manifest.json missing")
     try:
-        manifest = json.loads(manifest_path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ArtifactError(f"artifact {source}: manifest.json unreadable ({e})") from e
+    except (UnicodeDecodeError, ValueError) as e:  # ValueError: a JSONDecodeError or huge int
         raise ArtifactError(f"artifact {source}: manifest.json is not JSON ({e})") from e
+    except RecursionError as e:
+        raise ArtifactError(
+            f"artifact {source}: manifest.json nests deeper than {MAX_JSON_DEPTH} levels"
+        ) from e
     check_manifest(manifest, source)
     variants = tuple(_read_variant(root, record, source) for record in manifest["variants"])
     return ArtifactData(source=source, manifest=manifest, variants=variants)
 
 
 def check_manifest(manifest, source: str = "artifact") -> None:
-    """Structure of a schema-1 manifest (everything but the cubin files)."""
+    """Structure of a schema-1 manifest (everything but the cubin files),
+    nesting at most MAX_JSON_DEPTH deep, its cubins MAX_UNPACKED_BYTES in all."""
     if not isinstance(manifest, dict):
         raise ArtifactError(f"{source}: manifest is not a JSON object")
+    if _deeper_than(manifest, MAX_JSON_DEPTH):
+        raise ArtifactError(f"{source}: manifest nests deeper than {MAX_JSON_DEPTH} levels")
     if manifest.get("schema") != SCHEMA:
         raise ArtifactError(
             f"{source}: manifest schema: expected {SCHEMA}, found {manifest.get('schema')!r}"
@@ -236,10 +346,16 @@ def check_manifest(manifest, source: str = "artifact") -> None:
         check_variant_record(record, source)
     if names != sorted(names) or len(set(names)) != len(names):
         raise ArtifactError(f"{source}: variants must be unique and sorted by name")
+    total = sum(r["size"] for r in manifest["variants"])
+    if total > MAX_UNPACKED_BYTES:
+        raise ArtifactError(
+            f"{source}: variants: cubins of {total} bytes in all, more than {MAX_UNPACKED_BYTES}"
+        )
 
 
 def check_variant_record(record, source: str = "artifact") -> None:
-    """One variant record's keys, types and internal consistency."""
+    """One variant record's keys, types and internal consistency; ``size`` and
+    ``compressed_size`` at most MAX_UNPACKED_BYTES."""
     if not isinstance(record, dict):
         raise ArtifactError(f"{source}: a variant record is not a JSON object")
     label = f"{source}: variant {record.get('name', '?')}"
@@ -247,6 +363,11 @@ def check_variant_record(record, source: str = "artifact") -> None:
         value = record.get(key)
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
             raise ArtifactError(f"{label}: key {key!r}: expected {kind.__name__}, found {value!r}")
+    for key in ("size", "compressed_size"):
+        if not 0 <= record[key] <= MAX_UNPACKED_BYTES:
+            raise ArtifactError(
+                f"{label}: {key}: expected 0 to {MAX_UNPACKED_BYTES} bytes, found {record[key]}"
+            )
     _expect(label, "kernel", record["kernel"], KERNELS)
     _expect(label, "arch", record["arch"], ARCHS)
     _expect(label, "logits_dtype", record["logits_dtype"], LOGITS_DTYPES)
@@ -314,7 +435,16 @@ def _read_variant(root: Path, record: dict, source: str) -> Variant:
     path = root / record["file"]
     if not path.is_file():
         raise ArtifactError(f"{label}: cubin file {record['file']} missing")
-    packed = path.read_bytes()
+    try:
+        found = path.stat().st_size
+        if found != record["compressed_size"]:  # before reading a file of any size
+            raise ArtifactError(
+                f"{label}: compressed cubin size: expected {record['compressed_size']} bytes, "
+                f"found {found}"
+            )
+        packed = path.read_bytes()
+    except OSError as e:
+        raise ArtifactError(f"{label}: cubin file {record['file']} unreadable ({e})") from e
     _check_bytes(
         label, "compressed", packed, record["compressed_size"], record["compressed_sha256"]
     )
@@ -368,6 +498,18 @@ def _check_bytes(label: str, what: str, data: bytes, size: int, sha: str) -> Non
 def _expect(label: str, key: str, value, allowed) -> None:
     if value not in allowed:
         raise ArtifactError(f"{label}: {key}: expected one of {list(allowed)}, found {value!r}")
+
+
+def _deeper_than(value, depth: int) -> bool:
+    """Whether lists and objects nest more than ``depth`` deep in a JSON value
+    (without recursion; a scalar nests 0 deep)."""
+    level = [value]
+    for _ in range(depth):
+        level = [c for v in level if isinstance(v, (dict, list))
+                 for c in (v.values() if isinstance(v, dict) else v)]  # fmt: skip
+        if not level:
+            return False
+    return any(isinstance(v, (dict, list)) for v in level)
 
 
 def _positive_int(value) -> bool:
