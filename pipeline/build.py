@@ -17,20 +17,34 @@ Sharding: the selected variants, sorted by name, are dealt round-robin, so
 shard ``i/n`` (1-based) builds names ``i-1, i-1+n, ...``. A shard's manifest
 carries a ``shard`` record (index, count, the names of the whole selection)
 that ``moe-build merge`` uses to check it has every shard.
+
+Interruption: while a build runs in the main thread, SIGTERM and SIGHUP
+raise KeyboardInterrupt like Ctrl-C (where their handler is the default
+one: a handler the caller installed, or SIG_IGN as ``nohup`` sets, is kept),
+so the workers are stopped and the temporary directories removed. A build
+killed outright (SIGKILL) runs no cleanup: its workers end by themselves
+(pipeline.worker), and what it left is swept by the next build. The
+scratch directory (``moe-build-<pid>-<host>-XXXXXXXX`` in the temporary
+directory, holding the DSL's dump directories) and the staging directory
+are owned names (pipeline.output): each build first removes the
+``moe-build-`` ones of dead owners, and its Staging those of its target.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import datetime
 import fnmatch
 import multiprocessing
 import os
 import platform
 import shutil
+import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -40,9 +54,12 @@ from pipeline import manifest as mf
 from pipeline import toolchain, worker
 from pipeline.cache import BuildCache, cache_key, source_hashes
 from pipeline.config import BuildConfig
-from pipeline.output import Staging
+from pipeline.output import Staging, owned_prefix, sweep
 from pipeline.progress import Progress
 from pipeline.variants import Variant, expand
+
+#: The stem of a build's scratch directory name (pipeline.output, owned names).
+SCRATCH_STEM = "moe-build-"
 
 
 class BuildError(RuntimeError):
@@ -153,7 +170,13 @@ def select(config: BuildConfig, archs=(), kernels=(), shard: Shard | None = None
 
 def build(req: BuildRequest, progress: Progress) -> Path:
     """Builds the artifact at ``req.out``; returns its path or raises
-    BuildError (nothing written) or OutputError."""
+    BuildError (nothing written), OutputError, or KeyboardInterrupt (also
+    for SIGTERM and SIGHUP: ``_interruptible``)."""
+    with _interruptible():
+        return _build(req, progress)
+
+
+def _build(req: BuildRequest, progress: Progress) -> Path:
     started = time.time()
     variants, selection = select(req.config, req.archs, req.kernels, req.shard, req.patterns)
     tools = mf.local_toolchain()  # fails early when the DSL is missing
@@ -168,7 +191,12 @@ def build(req: BuildRequest, progress: Progress) -> Path:
                 raise BuildError([f"variant {v.name}: kernel sources: {exc}"]) from None
         keys[v.name] = cache_key(v.spec(req.config), sources[(v.kernel, v.arch)], identity)
 
+    sweep(tempfile.gettempdir(), SCRATCH_STEM)
     with Staging(req.out) as staging:
+        if staging.recovered is not None:
+            print(f"warning: output {staging.target}: restored the previous artifact from "
+                  f"{staging.recovered.name}, where a build killed while replacing it had "
+                  "left it", file=sys.stderr)  # fmt: skip
         results = {}
         for v in variants:
             hit = req.cache.get(keys[v.name])
@@ -232,18 +260,20 @@ def _plan(misses: list[Variant], jobs: int) -> list[tuple[str, int, list[Variant
 
 def _compile(plan, config: BuildConfig):
     """Yields (variant, result dict) as compiles finish, across one process
-    pool per arch (all pools run at once)."""
+    pool per arch (all pools run at once). The pools are started and shut
+    down by the thread that runs this generator (the workers' parent death
+    signal is tied to that thread: pipeline.worker)."""
     if not plan:
         return
     ctx = multiprocessing.get_context("spawn")
     pools = []
     futures = {}
-    scratch = tempfile.mkdtemp(prefix="moe-build-")
+    scratch = tempfile.mkdtemp(prefix=owned_prefix(SCRATCH_STEM))
     finished = False
     try:
         for arch, processes, todo in plan:
             pool = cf.ProcessPoolExecutor(processes, mp_context=ctx, initializer=worker.init,
-                                          initargs=(arch, scratch))  # fmt: skip
+                                          initargs=(arch, scratch, os.getpid()))  # fmt: skip
             pools.append(pool)
             for v in todo:
                 futures[pool.submit(worker.compile_one, asdict(v.spec(config)))] = v
@@ -264,6 +294,29 @@ def _compile(plan, config: BuildConfig):
                 _kill_workers(pool)
             pool.shutdown(wait=True, cancel_futures=True)
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _interruptible():
+    """Meanwhile, in the main thread, SIGTERM and SIGHUP raise
+    KeyboardInterrupt where their handler is SIG_DFL; the previous handlers
+    are restored after. Elsewhere (another thread cannot set handlers)
+    nothing changes."""
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for name in ("SIGTERM", "SIGHUP"):
+            sig = getattr(signal, name, None)
+            if sig is not None and signal.getsignal(sig) == signal.SIG_DFL:
+                previous[sig] = signal.signal(sig, _interrupt)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 def _kill_workers(pool: cf.ProcessPoolExecutor) -> None:

@@ -10,23 +10,49 @@ Results cross the process boundary as plain dicts (``result_to_dict``) so the
 parent never needs cutlass; a compiler failure comes back as
 ``{"error": "<exception text>"}`` rather than an exception, so the parent can
 name the variant and keep the other results.
+
+A worker ends with its parent (``exit_with_parent``): a build that is killed
+outright (SIGKILL, OOM killer) runs no cleanup, and its workers, still
+holding their end of the pool's queues, would otherwise wait forever. Two
+mechanisms, either one enough: on Linux the kernel sends the worker SIGKILL
+when its parent dies (``prctl(PR_SET_PDEATHSIG)``, which fires when the
+thread that started the worker ends: the build starts and stops its pools
+in one thread, see pipeline.build); everywhere, a daemon thread compares
+``os.getppid()`` with the parent's pid every ``WATCH_INTERVAL`` seconds and
+calls ``os._exit`` when they differ (an orphan's parent becomes init or a
+subreaper). The pool's workers are the spawn context's children of the
+build process itself, so their ``getppid()`` is the pid the build passes to
+``init``.
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import hashlib
 import os
+import signal
+import sys
 import tempfile
+import threading
 import time
 import traceback
 
 from kernels import registry
 from kernels.spec import CompiledKernel, KernelSpec
 
+#: Seconds between two looks at the parent pid (the portable fallback).
+WATCH_INTERVAL = 0.5
+#: Exit status of a worker that outlived its parent.
+ORPHANED = 70
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
-def init(arch: str, scratch: str) -> None:
+
+def init(arch: str, scratch: str, parent: int | None = None) -> None:
     """Pool initializer: prepares this process to compile for ``arch``.
+
+    ``parent`` is the build's pid: the worker exits when that process is
+    gone, including when it died before this ran (``exit_with_parent``).
 
     The DSL writes the PTX/cubin it is asked to keep into ``CUTE_DSL_DUMP_DIR``
     (default: the working directory); a private directory under ``scratch``
@@ -35,8 +61,39 @@ def init(arch: str, scratch: str) -> None:
     from that directory, and compiles sharing one directory once returned an
     empty cubin (1 in 6 concurrent compiles of one kernel). The path never
     reaches the cubins (tests/test_pipeline_dsl.py)."""
+    exit_with_parent(os.getppid() if parent is None else parent)
     registry.prepare_process(arch)
     os.environ["CUTE_DSL_DUMP_DIR"] = tempfile.mkdtemp(prefix=f"{arch}-", dir=scratch)
+
+
+def exit_with_parent(parent: int) -> None:
+    """This process ends when process ``parent`` (its parent) does: parent
+    death signal where the system has one, then a check that the parent
+    is still the one (it may have died before the signal was asked for),
+    then ``watch_parent``."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)  # the C library Python runs on
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):  # no usable libc: the watch alone
+            pass
+    if os.getppid() != parent:
+        os._exit(ORPHANED)
+    watch_parent(parent)
+
+
+def watch_parent(parent: int, interval: float = WATCH_INTERVAL) -> threading.Thread:
+    """Starts a daemon thread that calls ``os._exit(ORPHANED)`` once
+    ``os.getppid()`` is no longer ``parent``."""
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(interval)
+        os._exit(ORPHANED)
+
+    thread = threading.Thread(target=watch, name="moe-build-parent-watch", daemon=True)
+    thread.start()
+    return thread
 
 
 def compile_one(spec_fields: dict) -> dict:
