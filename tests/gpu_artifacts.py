@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
+import seeding
 
 
 def artifact_paths(env: str) -> list[Path]:
@@ -33,6 +34,6 @@ def bind_fresh(path: Path | None, env: str, kernel: str):
     artifact = runtime.load(path, device)
     if not any(v.kernel == kernel and v.arch == "sm_90a" for v in artifact.variants):
         pytest.skip(f"{path} holds no sm_90a {kernel} variant")
-    gen = torch.Generator(device).manual_seed(torch.seed() % 2**31)
+    gen = seeding.generator(f"weights of {path} for {kernel}", device=device)
     weights = random_moe_weights(artifact.shape, gen)
     return artifact, artifact.bind(weights[0], poison=True), weights

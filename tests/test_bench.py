@@ -1,5 +1,6 @@
 """The benchmark's bookkeeping (the timing itself needs a GPU: `moe-build bench`)."""
 
+import seeding
 import torch
 from click.testing import CliRunner
 
@@ -64,7 +65,7 @@ def test_torch_baseline_matches_the_reference():
     from runtime.reference import moe_reference, rel_l2
 
     shape = MoEShape(512, 256, 64, 4, 2.5, 10.0, False, 1)
-    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    g = seeding.generator()
     prepared, routed, shared = random_moe_weights(shape, g)
     x = torch.randn(5, shape.hidden, generator=g).bfloat16()
     logits = torch.randn(5, shape.experts, generator=g)
@@ -105,7 +106,7 @@ def test_check_compares_every_kind_with_the_reference():
     from runtime.layout import random_moe_weights
 
     shape = MoEShape(256, 128, 32, 4, 2.5, 10.0, False, 1)
-    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    g = seeding.generator()
     prepared, routed, shared = random_moe_weights(shape, g)
     bench = Bench.__new__(Bench)  # no GPU: only what check() reads
     bench.shape, bench.g, bench.device = shape, g, torch.device("cpu")

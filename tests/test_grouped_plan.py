@@ -272,6 +272,98 @@ def test_workspaces_and_counters():
         assert plan(tokens=tokens).max_units <= units
 
 
+#: (hidden, inter, experts, top_k) the layout tests run over: glm5 and smaller shapes.
+SHAPES = [(4096, 512, 288, 8), (256, 256, 32, 2), (1024, 512, 64, 4), (2048, 1024, 128, 8),
+          (512, 768, 32, 1)]  # fmt: skip
+GRIDS = [1, 7, 114, 132, 148]
+
+
+def parity_words(c, pairs, units) -> dict[str, list[int]]:
+    """Word offsets inside one parity block of every counter the kernel
+    keeps there (kernels/grouped_common.py: ready tokens at the block's
+    start, then pair arrivals unit * pairs + pair, unit readiness, the FC2
+    job counters of halves A and B, finished CTAs)."""
+    return {
+        "ready": [0],
+        "pairs": [c.pairs + u * pairs + q for u in range(units) for q in range(pairs)],
+        "unit_ready": [c.unit_ready + u for u in range(units)],
+        "jobs": [c.jobs, c.jobs + 1],
+        "finished": [c.finished],
+    }
+
+
+@pytest.mark.parametrize("hidden,inter,experts,top_k", SHAPES)
+def test_call_counter_and_parity_words_never_overlap(hidden, inter, experts, top_k):
+    """The counters workspace: two parity blocks of ``words`` int32, then the
+    call counter. No two counters share a word, the blocks are disjoint,
+    the call counter lies in neither (a call zeroes the other parity's block
+    while the previous call's CTAs may still count on the call counter), and
+    everything fits the declared bytes, whatever the grid."""
+    pairs = inter // TILE
+    units = gp.unit_capacity(experts, top_k)  # sized for MAX_TOKENS
+    c = gp.counters(experts, top_k, pairs)
+    fields = parity_words(c, pairs, units)
+    block = [w for words in fields.values() for w in words]
+    assert len(set(block)) == len(block), "two counters of one parity share a word"
+    assert len(block) == 1 + units * pairs + units + 2 + 1  # the documented counters
+    assert 0 <= min(block) and max(block) < c.words
+    for grid in GRIDS:
+        for tokens in (1, 8, 64):
+            assert gp.GroupedPlan(hidden, inter, experts, top_k, tokens, grid).counters == c
+        blocks = [{parity * c.words + w for w in block} for parity in (0, 1)]
+        assert not blocks[0] & blocks[1]
+        assert c.calls not in blocks[0] | blocks[1], (c.calls, c.words)
+        ws = {w.name: w for w in gp.workspaces(hidden, inter, experts, top_k, grid)}
+        assert ws["counters"].zero and ws["counters"].bytes == 4 * c.total
+        assert max(blocks[1] | {c.calls}) < c.total
+        # start_call: CTA ``cta`` zeroes words cta * per_cta .. of the other
+        # parity's block. Together: that whole block, and never the call counter.
+        per_cta = gp.ceil_div(c.words, grid)
+        for parity in (0, 1):
+            other = (1 - parity) * c.words
+            zeroed = [other + cta * per_cta + i for cta in range(grid) for i in range(per_cta)
+                      if cta * per_cta + i < c.words]  # fmt: skip
+            assert len(set(zeroed)) == len(zeroed) and blocks[1 - parity] <= set(zeroed)
+            assert c.calls not in zeroed and not set(zeroed) & blocks[parity]
+
+
+#: Bytes of one published FC1 partial: a CTA's piece of an (up, gate) pair,
+#: two row tiles of TILE rows x GROUP tokens in FP32.
+PARTIAL_BYTES = 2 * TILE * gp.GROUP * 4
+
+
+def unit_counts(p) -> list[int]:
+    """Unit counts worth checking: few, around the A/B split, the most."""
+    top = gp.unit_capacity(p.experts, p.top_k)
+    if top <= 3 * gp.SPLIT_UNITS:
+        return list(range(1, top + 1))
+    return sorted({1, 2, gp.SPLIT_UNITS, gp.SPLIT_UNITS + 1, gp.SPLIT_UNITS + 2, top - 1, top})
+
+
+@pytest.mark.parametrize("grid", [1, 7, 132])
+@pytest.mark.parametrize("hidden,inter,experts,top_k", SHAPES[:4])
+def test_partial_workspace_holds_every_published_partial(hidden, inter, experts, top_k, grid):
+    """A CTA publishes at most one FC1 partial per half (the piece that starts
+    its range), at slot half * grid + cta of the ``partial`` workspace. The
+    declared bytes cover the highest slot any unit count can write, found by
+    enumerating every CTA's pieces."""
+    declared = {w.name: w for w in gp.workspaces(hidden, inter, experts, top_k, grid)}
+    p = gp.GroupedPlan(hidden, inter, experts, top_k, gp.MAX_TOKENS, grid)
+    need, split_published = 0, False
+    for units in unit_counts(p):
+        for cta in range(grid):
+            slots = [piece.half * grid + cta
+                     for piece in gp.pieces(p, units, cta) if piece.role == "publish"]  # fmt: skip
+            assert len(slots) == len(set(slots))  # one per CTA and half
+            for slot in slots:
+                need = max(need, (slot + 1) * PARTIAL_BYTES)
+                split_published |= slot >= grid
+    assert declared["partial"].bytes >= need, (declared["partial"].bytes, need)
+    # Every shape here with more than SPLIT_UNITS units publishes in half B
+    # (so the upper half of the workspace is written), except on one CTA.
+    assert split_published == (grid > 1 and max(unit_counts(p)) > gp.SPLIT_UNITS)
+
+
 @pytest.mark.parametrize("arch,grid,slots", [("sm_90a", 132, 0), ("sm_100a", 148, 4)])
 @pytest.mark.parametrize("tokens", [8, 16, 32, 48, 64])
 def test_smem_layout(arch, grid, slots, tokens):

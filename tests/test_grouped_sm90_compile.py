@@ -9,6 +9,7 @@ What the kernel computes is checked on the H200 (``test_grouped_sm90_gpu.py``).
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -99,3 +100,60 @@ def test_launch_records_follow_the_plan(built):
         params = re.findall(r"\.param ([^\n]*?)moe_grouped_sm90_0_param_\d+(\[\d+\])?", entry)
         assert len(params) == len(GRID_PARAMS)
         assert all(size == "[8]" or ".u64" in decl for decl, size in params), params
+
+
+#: Grids other than glm5's for the call counter's check (one small variant each).
+OTHER_GRIDS = (7, 114)
+
+
+@pytest.fixture(scope="module")
+def other_grids(tmp_path_factory):
+    out = tmp_path_factory.mktemp("grouped90grids")
+    specs = [dataclasses.replace(spec(8), sms=g) for g in OTHER_GRIDS]
+    records = compile_specs("sm_90a", [(f"g{g}", s) for g, s in zip(OTHER_GRIDS, specs,
+                                                                   strict=True)], out)  # fmt: skip
+    return [(s, r, (out / f"g{g}.ptx").read_text()) for g, s, r in zip(OTHER_GRIDS, specs,
+                                                                        records, strict=True)]  # fmt: skip
+
+
+def _defs(ptx: str, reg: str) -> list[str]:
+    """The PTX instructions that write register ``reg``."""
+    return re.findall(rf"^\s*([a-z][\w.]*\s+{re.escape(reg)},[^;]*);", ptx, re.M)
+
+
+def call_counter_count(ptx: str) -> tuple[int, int, int]:
+    """(parameter index, byte offset, limit) of the kernel's one ``atom.inc``
+    (the CTA's count on the call counter): the address as an offset from a
+    pointer parameter, the limit as the immediate its register is set to."""
+    found = re.findall(r"atom\.inc\.relaxed\.gpu\.global\.u32\s+%r\d+,\s*\[(%rd\d+)\],"
+                       r"\s*(%r\d+|\d+);", ptx)  # fmt: skip
+    assert len(found) == 1, found
+    address, limit = found[0]
+    if limit.startswith("%"):
+        (mov,) = _defs(ptx, limit)
+        limit = re.fullmatch(rf"mov\.[bu]32\s+{re.escape(found[0][1])},\s*(\d+)", mov).group(1)
+    (add,) = _defs(ptx, address)
+    base, offset = re.fullmatch(rf"add\.s64\s+{address},\s*(%rd\d+),\s*(\d+)", add).groups()
+    (load,) = _defs(ptx, base)
+    param = re.fullmatch(rf"ld\.param\.[bu]64\s+{base},\s*\[\w+_param_(\d+)\]", load).group(1)
+    # The call's parity comes from a load of the same word.
+    assert re.search(rf"ld\.global\.cg\.[bu]32\s+%r\d+,\s*\[{address}\]", ptx)
+    return int(param), int(offset), int(limit)
+
+
+@pytest.mark.compile
+def test_call_counter_wraps_at_twice_the_grid(built, other_grids):
+    """end_call's ``atom.inc`` on the call counter has limit 2 * grid - 1 for
+    the grid the variant was compiled for (so the counter runs 0 .. 2 * grid
+    - 1 and ``calls // grid`` is the call's parity, 0 or 1), on the
+    counters workspace's call-counter word."""
+    out, records = built
+    cases = [(s, r, (out / f"{i}.ptx").read_text())
+             for i, (s, r) in enumerate(zip(SPECS, records, strict=True))]  # fmt: skip
+    for s, r, ptx in cases + other_grids:
+        plan = gp.GroupedPlan.from_spec(s)
+        assert r["grid"] == [s.sms, 1, 1]
+        param, offset, limit = call_counter_count(ptx)
+        assert limit == 2 * s.sms - 1, (s.sms, limit)
+        assert param == GRID_PARAMS.index("counters")
+        assert offset == 4 * plan.counters.calls

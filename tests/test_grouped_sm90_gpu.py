@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import seeding
 from gpu_artifacts import artifact_paths, bind_fresh
 
 from runtime.reference import rel_l2
@@ -110,10 +111,9 @@ def _check_call(artifact, layer, weights, v, routing, gen):
 
 @pytest.mark.parametrize("routing", ["random", "skewed", "hot"])
 def test_every_bucket_matches_reference(bound, routing):
-    import torch
 
     artifact, layer, weights = bound
-    gen = torch.Generator("cuda").manual_seed(torch.seed() % 2**31)
+    gen = seeding.generator(device="cuda")
     failed, seen, units_seen = {}, {}, []
     for v in _variants(artifact):
         errors, units = _check_call(artifact, layer, weights, v, routing, gen)
@@ -132,7 +132,7 @@ def test_experts_with_more_than_a_unit_of_tokens(bound):
     import torch
 
     artifact, layer, weights = bound
-    gen = torch.Generator("cuda").manual_seed(torch.seed() % 2**31)
+    gen = seeding.generator(device="cuda")
     big = max(_variants(artifact), key=lambda v: (v.tokens, not v.finalize))
     x, logits, bias = _inputs(artifact.shape, big.tokens, big.logits_dtype, "hot", gen)
     out, ids, w, shared = layer.grouped(x, logits, bias)
@@ -148,7 +148,7 @@ def test_back_to_back_calls_across_buckets(bound):
     import torch
 
     artifact, layer, weights = bound
-    gen = torch.Generator("cuda").manual_seed(torch.seed() % 2**31)
+    gen = seeding.generator(device="cuda")
     variants = _variants(artifact)
     calls = []
     for i in range(3 * len(variants)):
@@ -175,7 +175,7 @@ def test_graph_replays_with_changing_inputs(bound, finalize):
     import torch
 
     artifact, layer, weights = bound
-    gen = torch.Generator("cuda").manual_seed(torch.seed() % 2**31)
+    gen = seeding.generator(device="cuda")
     variants = [v for v in _variants(artifact) if v.finalize == finalize]
     for v in (variants[0], variants[-1]):
         pool = []

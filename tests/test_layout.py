@@ -1,6 +1,7 @@
 """Weight layout: checkpoint <-> BlockMajorK is a bijection with the documented
 element mapping, and the row table inverts the shuffle."""
 
+import seeding
 import torch
 
 from runtime.layout import (
@@ -16,7 +17,7 @@ E, H, I = 3, 256, 128  # small but with several K blocks and 128-row tiles
 
 
 def _ckpt(seed=None) -> CheckpointWeights:
-    g = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**31)
+    g = torch.Generator().manual_seed(seed) if seed is not None else seeding.generator()
     return random_checkpoint(E, H, I, g)
 
 

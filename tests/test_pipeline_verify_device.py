@@ -6,6 +6,7 @@ from __future__ import annotations
 import types
 
 import pytest
+import seeding
 import torch
 from pipeline_support import build, run, use_stub
 
@@ -57,9 +58,8 @@ def variant(kernel, tokens, dtype="float32", finalize=False):
 
 @pytest.fixture(scope="module")
 def weights():
-    generator = torch.Generator().manual_seed(torch.seed())
-    _, routed, shared = random_moe_weights(SHAPE, generator)
-    return routed, shared, generator
+    _, routed, shared = random_moe_weights(SHAPE, seeding.generator(f"{__name__}.weights"))
+    return routed, shared
 
 
 @pytest.mark.parametrize(
@@ -72,7 +72,8 @@ def weights():
     ],  # fmt: skip
 )
 def test_a_correct_layer_passes_and_a_damaged_one_fails(weights, v):
-    routed, shared, generator = weights
+    routed, shared = weights
+    generator = seeding.generator()  # the inputs run_variant draws
     good = run_variant(ReferenceLayer(routed, shared), v, SHAPE, routed, shared, generator)
     assert good["ok"], good
     assert all(val < 1e-2 for key, val in good.items() if key.endswith("_rel_l2"))

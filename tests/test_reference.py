@@ -2,7 +2,10 @@
 float32 against float64; kernel layout against checkpoint layout."""
 
 import math
+import struct
 
+import pytest
+import seeding
 import torch
 
 from runtime.layout import prepare, random_checkpoint
@@ -72,7 +75,7 @@ def test_zero_group_uses_the_floor():
 
 
 def test_ue8m0_round_is_a_power_of_two_at_or_above():
-    s = torch.rand(1000) * 10 + 1e-6
+    s = torch.rand(1000, generator=seeding.generator()) * 10 + 1e-6
     r = ue8m0_round(s)
     assert (r >= s).all() and (r < 2 * s).all()
     assert torch.equal(torch.log2(r), torch.log2(r).round())
@@ -101,6 +104,80 @@ def test_finalize_order_and_rounding():
     shared = torch.tensor([[1.0, 1.0]])
     got = finalize(out, w, shared, top_k=2)
     assert got.tolist() == [[0.5 + 0.75 + 1.0, 1.0 + 1.0 + 1.0]]
+    # Top-k order in FP32: (2^24 + 1) - 2^24 loses the 1 that another order keeps.
+    out = torch.tensor([[2.0**24], [1.0], [-(2.0**24)]])
+    got = finalize(out, torch.ones(1, 3), None, top_k=3)
+    assert got.dtype == torch.float32 and got.item() == 0.0
+    # The rows are rounded to BF16 first (8 significant bits): 1 + 2^-9 to 1,
+    # 1 + 3 * 2^-8 (a tie) to the even 1 + 2^-6; the shared 2^-9 is exact.
+    out = torch.tensor([[1.0 + 2.0**-9], [1.0 + 3 * 2.0**-8]])
+    got = finalize(out, torch.ones(1, 2), torch.tensor([[2.0**-9]]), top_k=2)
+    assert got.item() == 1.0 + (1.0 + 2.0**-6) + 2.0**-9
+    got = finalize(out, torch.ones(1, 2), torch.tensor([[2.0**-9]]), top_k=2, rounded=False)
+    assert got.item() == _f32(_f32(1.0 + 2.0**-9 + 1.0 + 3 * 2.0**-8) + 2.0**-9)
+
+
+def _f32(v: float) -> float:
+    """``v`` rounded to FP32 (round to nearest even)."""
+    return struct.unpack("<f", struct.pack("<f", v))[0]
+
+
+def _bf16(v: float) -> float:
+    """An FP32 value rounded to BF16 (nearest, ties to even), from its bits."""
+    bits = struct.unpack("<I", struct.pack("<f", v))[0]
+    bits = (bits + 0x7FFF + (bits >> 16 & 1)) & 0xFFFF0000
+    return struct.unpack("<f", struct.pack("<I", bits))[0]
+
+
+def _finalize_by_hand(out, weights, shared, top_k, bf16: bool, f32: bool):
+    """finalize's contract one element at a time: sum_k w * row (+ shared),
+    in top-k order, each product and sum rounded to FP32 when ``f32`` (Python
+    floats are float64: a float64 product of an FP32 weight and a BF16 row is
+    exact, and float64 sums of two FP32 values round to FP32 correctly), the
+    rows first rounded to BF16 when ``bf16``."""
+    m = weights.shape[0]
+    rows = out.double().view(m, top_k, -1).tolist()
+    w = weights.double().tolist()
+    sh = None if shared is None else shared.double().tolist()
+    r = _bf16 if bf16 else (lambda v: v)
+    f = _f32 if f32 else (lambda v: v)
+    result = []
+    for t in range(m):
+        line = []
+        for c in range(len(rows[t][0])):
+            total = 0.0
+            for k in range(top_k):
+                total = f(total + f(w[t][k] * r(rows[t][k][c])))
+            if sh is not None:
+                total = f(total + r(sh[t][c]))
+            line.append(total)
+        result.append(line)
+    return torch.tensor(result, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("with_shared", [True, False])
+def test_finalize_sums_bf16_rounded_rows_in_fp32(with_shared):
+    """finalize (rounded, the default): the route and shared rows rounded to
+    BF16, weighted and summed in top-k order in FP32, the sum returned in FP32
+    (unrounded); rounded=False: the same sum of the rows as given (FP32, or
+    float64 for float64 rows)."""
+    g = seeding.generator()
+    m, k, h = 3, 8, 96
+    out = torch.randn(m * k, h, generator=g) * 3  # FP32 rows with more bits than BF16 holds
+    weights = torch.rand(m, k, generator=g) * 0.6
+    shared = torch.randn(m, h, generator=g) if with_shared else None
+    got = finalize(out, weights, shared, k)
+    want = _finalize_by_hand(out, weights, shared, k, bf16=True, f32=True)
+    assert got.dtype == torch.float32 and got.shape == (m, h)
+    assert torch.equal(got.double(), want), seeding.rerun_hint()
+    plain = finalize(out, weights, shared, k, rounded=False)
+    assert torch.equal(plain.double(), _finalize_by_hand(out, weights, shared, k, False, True))
+    # The inputs are such that the BF16 rounding of the rows shows in most sums.
+    assert (got != plain).float().mean() > 0.9, seeding.rerun_hint()
+    wide = finalize(out.double(), weights.double(), None if shared is None else shared.double(),
+                    k, rounded=False)  # fmt: skip
+    assert wide.dtype == torch.float64
+    assert torch.equal(wide, _finalize_by_hand(out, weights, shared, k, bf16=False, f32=False))
 
 
 def _inputs(shape, m, g):
@@ -113,7 +190,7 @@ def _inputs(shape, m, g):
 
 
 def test_float32_matches_float64():
-    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    g = seeding.generator()
     x, logits, bias, routed, shared = _inputs(SMALL, 6, g)
     r32 = moe_reference(x, logits, bias, routed, shared, SMALL, torch.float32)
     r64 = moe_reference(x, logits, bias, routed, shared, SMALL, torch.float64)
@@ -129,10 +206,17 @@ def test_float32_matches_float64():
     assert rel_l2(r32.shared, r64.shared) < 2e-3
     # The float32 final sums BF16-rounded rows (as the kernels do): ~2e-3 measured.
     assert rel_l2(r32.final, r64.final) < 1e-2
+    # Exactly: float32 mode finalizes the BF16-rounded rows in FP32, float64
+    # mode the unrounded rows in float64.
+    k = SMALL.top_k
+    want32 = _finalize_by_hand(r32.out, r32.weights, r32.shared, k, bf16=True, f32=True)
+    assert torch.equal(r32.final.double(), want32), seeding.rerun_hint()
+    want64 = _finalize_by_hand(r64.out, r64.weights, r64.shared, k, bf16=False, f32=False)
+    assert torch.equal(r64.final, want64), seeding.rerun_hint()
 
 
 def test_prepared_layout_gives_the_same_output():
-    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    g = seeding.generator()
     x, logits, bias, routed, shared = _inputs(SMALL, 5, g)
     a = moe_reference(x, logits, bias, routed, shared, SMALL)
     b = moe_reference(x, logits, bias, prepare(routed), prepare(shared), SMALL)
@@ -141,7 +225,7 @@ def test_prepared_layout_gives_the_same_output():
 
 
 def test_ids_override_recomputes_weights():
-    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    g = seeding.generator()
     x, logits, bias, routed, shared = _inputs(SMALL, 3, g)
     base = moe_reference(x, logits, bias, routed, shared, SMALL)
     flipped = base.ids.flip(-1).contiguous()

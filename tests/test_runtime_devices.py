@@ -16,15 +16,18 @@ from types import SimpleNamespace
 
 import pytest
 import runtime_fixtures as fx
+import seeding
 import torch
 
 import runtime.moe
 import runtime.tensormap
 from runtime import driver
+from runtime.artifact import Launch, Variant, WorkspaceNeed
 from runtime.errors import DeviceRefused, InputError
 from runtime.layout import random_moe_weights
 from runtime.loader import load
 from runtime.model import MoEShape
+from runtime.workspace import Workspaces
 
 SHAPE = MoEShape(**fx.SMALL_MODEL)
 
@@ -41,6 +44,7 @@ class FakeDriver:
         self.functions, self.allocs, self.freed, self.launches = [], {}, [], []
         self.unloaded, self.artifacts = [], []
         self.capturing, self.graph_objects = {}, {}
+        self.sizes: dict[int, tuple[int, bool]] = {}  # pointer -> (bytes, zero)
         self._params: dict[str, list[str]] = {}  # entry -> parameter names
         self._addresses = itertools.count(0x1000_0000, 0x10_0000)
 
@@ -109,6 +113,7 @@ class FakeDriver:
     def alloc(self, ordinal, nbytes, zero):
         pointer = next(self._addresses)
         self.allocs[pointer] = self._known(ordinal)
+        self.sizes[pointer] = (nbytes, zero)
         return pointer
 
     def free(self, ordinal, pointer):
@@ -186,7 +191,7 @@ def _weights_on(weights, ordinal):
 
 @pytest.fixture(scope="module")
 def weights():
-    return random_moe_weights(SHAPE, torch.Generator().manual_seed(torch.seed() % 2**31))[0]
+    return random_moe_weights(SHAPE, seeding.generator(f"{__name__}.weights"))[0]
 
 
 @pytest.fixture
@@ -226,9 +231,10 @@ def _artifact(tmp_path, fake, device="cuda:1"):
 
 
 def _inputs(m, ordinal):
-    x = torch.randn(m, SHAPE.hidden).to(torch.bfloat16)
-    logits = torch.randn(m, SHAPE.experts)
-    bias = torch.randn(SHAPE.experts) * 0.1
+    g = seeding.generator()
+    x = torch.randn(m, SHAPE.hidden, generator=g).to(torch.bfloat16)
+    logits = torch.randn(m, SHAPE.experts, generator=g)
+    bias = torch.randn(SHAPE.experts, generator=g) * 0.1
     return [_move(t, ordinal) for t in (x, logits, bias)]
 
 
@@ -250,6 +256,54 @@ def test_functions_and_workspaces_are_kept_per_device(tmp_path, fake):
     art.close()
     assert sorted(fake.freed) == sorted((fake.allocs[p], p) for p in fake.allocs)
     assert len(fake.unloaded) == len(art.data.for_arch("sm_90a"))
+
+
+def _grouped_variant(name, workspace=fx.GROUPED_WORKSPACE) -> Variant:
+    return Variant(
+        name=name, kernel="grouped", arch="sm_90a", tokens=8, logits_dtype="float32",
+        finalize=False, sms=132, entry="moe_grouped_0",
+        params=tuple((p, "pointer") for p in fx.GROUPED_PARAMS), tensor_maps=(),
+        launch=Launch((132, 1, 1), (256, 1, 1), None, 0, True),
+        workspace=tuple(WorkspaceNeed(n, b, z) for n, b, z in workspace), sha256="0" * 64,
+        cubin=b"",
+    )  # fmt: skip
+
+
+def test_workspaces_are_kept_per_stream(fake):
+    """runtime/workspace.py: two streams of one device never share a buffer
+    (every call reads and writes its workspaces); on one stream, variants of
+    one kernel with equal records (name, bytes, zero) share, a differing
+    record gets its own buffer; each buffer has its record's size and zero
+    flag and is allocated once."""
+    spaces = Workspaces(1)
+    first, second = _grouped_variant("g8"), _grouped_variant("g16")
+    bigger = [(n, 2 * b if n == "counters" else b, z) for n, b, z in fx.GROUPED_WORKSPACE]
+    other = _grouped_variant("g32", bigger)
+    a, b = 0x5000, 0x6000
+    on_a, on_b = spaces.pointers(a, first), spaces.pointers(b, first)
+    names = [n for n, _, _ in fx.GROUPED_WORKSPACE]
+    counters_bytes = next(b for n, b, _ in fx.GROUPED_WORKSPACE if n == "counters")
+    assert list(on_a) == list(on_b) == names
+    assert not set(on_a.values()) & set(on_b.values()), "two streams share a workspace"
+    assert len(set(on_a.values())) == len(names)  # one buffer per workspace
+    for n, nbytes, zero in fx.GROUPED_WORKSPACE:
+        assert fake.sizes[on_a[n]] == fake.sizes[on_b[n]] == (nbytes, zero), n
+    assert {fake.allocs[p] for p in (*on_a.values(), *on_b.values())} == {1}
+    # Same stream again, or an equal record of another variant: the same buffers.
+    assert spaces.pointers(a, first) == on_a and spaces.pointers(a, second) == on_a
+    assert spaces.pointers(b, second) == on_b
+    # A record that differs (counters twice as large) gets its own buffer on each stream.
+    for stream, known in ((a, on_a), (b, on_b)):
+        got = spaces.pointers(stream, other)
+        assert got["counters"] not in {*on_a.values(), *on_b.values()}
+        assert fake.sizes[got["counters"]] == (2 * counters_bytes, True)
+        assert {n: p for n, p in got.items() if n != "counters"} == {
+            n: p for n, p in known.items() if n != "counters"
+        }
+    assert len(fake.allocs) == 2 * (len(names) + 1)  # nothing allocated twice
+    assert spaces.streams() == {a, b}
+    spaces.close()
+    assert sorted(p for _, p in fake.freed) == sorted(fake.allocs)
 
 
 def test_layers_on_two_devices_launch_on_their_own(tmp_path, fake, weights):

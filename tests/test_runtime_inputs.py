@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import runtime_fixtures as fx
+import seeding
 import torch
 
 from runtime.errors import InputError
@@ -18,9 +19,10 @@ BOTH = ("float32", "bfloat16")
 
 
 def _call(m=3, logits_dtype=torch.float32):
-    x = torch.randn(m, SHAPE.hidden).to(torch.bfloat16)
-    logits = torch.randn(m, SHAPE.experts, dtype=logits_dtype)
-    bias = torch.randn(SHAPE.experts)
+    g = seeding.generator()
+    x = torch.randn(m, SHAPE.hidden, generator=g).to(torch.bfloat16)
+    logits = torch.randn(m, SHAPE.experts, generator=g).to(logits_dtype)
+    bias = torch.randn(SHAPE.experts, generator=g)
     return x, logits, bias
 
 

@@ -1,12 +1,15 @@
 """runtime.moe on the CPU: dispatch, padding, cropping, the shared expert (the
 mega kernel's, or the torch fallback for mega variants without it) and the
-layer's finalize, with the kernel launch replaced by the torch reference (the
-GPU tests launch the real cubins)."""
+layer's finalize, with the kernel launch replaced by a stand-in that writes
+simple functions of its inputs (``tags``), so every output the layer returns
+is checked against an expectation computed from the caller's inputs (the GPU
+tests launch the real cubins)."""
 
 from __future__ import annotations
 
 import pytest
 import runtime_fixtures as fx
+import seeding
 import torch
 
 from runtime.artifact import Launch, Variant, WorkspaceNeed
@@ -18,7 +21,6 @@ from runtime.moe import MoELayer, combine, computes_shared
 from runtime.reference import (
     expert_forward,
     finalize,
-    moe_reference,
     quantize_activations,
     rel_l2,
 )
@@ -65,8 +67,35 @@ class FakeArtifact:
         return torch.zeros(128 * len(names), dtype=torch.uint8)
 
 
-class ReferenceLayer(MoELayer):
-    """Launches = the reference on the padded bucket, written to the outputs."""
+def tags(x, logits, top_k):
+    """What the stand-in kernel writes for tokens ``x`` [T, H] (BF16) and
+    ``logits`` [T, E]: simple functions of each token's own row, chosen so
+    that every sum the layer takes of them is exact in FP32.
+
+    ids [T, k]: the token's top-k logits, best first; weights [T, k]: those
+    logits rounded to eighths; out row t*k + j: x[t] * 2^-j; shared row t:
+    -x[t] / 2; final [T, H]: sum_j weights * out + shared, rounded once to
+    BF16."""
+    ids = torch.topk(logits.float(), top_k, dim=-1).indices
+    weights = torch.round(logits.float().gather(1, ids) * 8) / 8
+    steps = 2.0 ** -torch.arange(top_k, dtype=torch.float32)
+    out = (x.float()[:, None, :] * steps[None, :, None]).reshape(-1, x.shape[1])
+    shared = -x.float() / 2
+    coeff = (weights.double() * steps.double()).sum(-1, keepdim=True)  # [T, 1]
+    routed = x.double() * coeff
+    return {
+        "ids": ids.to(torch.int32), "weights": weights, "out": out.to(torch.bfloat16),
+        "shared": shared.to(torch.bfloat16), "routed": routed,
+        "final": (routed + shared.double()).to(torch.bfloat16),
+    }  # fmt: skip
+
+
+class TaggedLayer(MoELayer):
+    """The layer with its launch replaced by a stand-in kernel writing
+    ``tags`` of the padded bucket's inputs (mega variants without
+    ``shared_out`` leave it unwritten, as the kernel does; ``skip``: outputs
+    left unwritten). No MoE math: what the layer returns can be predicted
+    exactly from the caller's (unpadded) inputs."""
 
     def __init__(self, *args, weights, skip=(), **kwargs):
         super().__init__(*args, **kwargs)
@@ -76,13 +105,12 @@ class ReferenceLayer(MoELayer):
         x, logits = buffers["x"], buffers["logits"]
         assert x.shape[0] == bucket and logits.shape[0] == bucket
         self.calls.append((variant.name, x.clone(), logits.clone()))
-        ref = moe_reference(x, logits, buffers["bias"], self.weights.routed,
-                            self.weights.shared, SHAPE)  # fmt: skip
-        results = {"out": ref.out, "ids": ref.ids.view(-1), "weights": ref.weights.view(-1)}
+        t = tags(x, logits, SHAPE.top_k)
+        results = {"out": t["out"], "ids": t["ids"].view(-1), "weights": t["weights"].view(-1)}
         if computes_shared(variant):
-            results["shared_out"] = ref.shared
+            results["shared_out"] = t["shared"]
         if variant.finalize:
-            results["final"] = ref.final
+            results["final"] = t["final"]
         for name, value in results.items():
             if name not in self.skip:
                 buffers[name].copy_(value)
@@ -94,58 +122,74 @@ GLM5_LIKE = [_variant("mega", m, d) for m in (1, 2, 3, 4) for d in ("float32", "
     for d in ("float32", "bfloat16")
     for f in (False, True)
 ]
+BUCKETS = (1, 2, 3, 4, 8, 16, 32, 48, 64)
 
 
 @pytest.fixture(scope="module")
 def weights():
-    return random_moe_weights(SHAPE, torch.Generator().manual_seed(torch.seed() % 2**31))[0]
+    return random_moe_weights(SHAPE, seeding.generator(f"{__name__}.weights"))[0]
 
 
 def _layer(weights, variants=GLM5_LIKE, **kwargs):
     tensors = check_weights(weights, SHAPE, CPU)
-    return ReferenceLayer(FakeArtifact(variants), tensors, SHAPE, CPU, weights=weights, **kwargs)
+    return TaggedLayer(FakeArtifact(variants), tensors, SHAPE, CPU, weights=weights, **kwargs)
 
 
-def _inputs(m, dtype=torch.float32):
-    x = torch.randn(m, SHAPE.hidden).to(torch.bfloat16)
-    return x, torch.randn(m, SHAPE.experts).to(dtype), torch.randn(SHAPE.experts) * 0.1
+def _inputs(m, dtype=torch.float32, g=None):
+    g = g or seeding.generator()
+    x = torch.randn(m, SHAPE.hidden, generator=g).to(torch.bfloat16)
+    logits = torch.randn(m, SHAPE.experts, generator=g).to(dtype)
+    return x, logits, torch.randn(SHAPE.experts, generator=g) * 0.1
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8, 9, 16, 31, 33, 48, 63, 64])
-def test_layer_matches_reference_for_m(weights, m):
+def test_layer_dispatches_pads_crops_and_combines(weights, m):
+    """M tokens run in the smallest bucket >= M (mega up to 4, then grouped
+    with in-kernel finalize), padded with copies of the last token; the
+    layer returns the first M rows: the kernel's final, or (mega) the
+    routes weighted and summed plus the kernel's shared rows, rounded once."""
     layer = _layer(weights, poison=True)
     dtype = torch.bfloat16 if m % 2 else torch.float32
     x, logits, bias = _inputs(m, dtype)
     final = layer(x, logits, bias)
-    ref = moe_reference(x, logits, bias, weights.routed, weights.shared, SHAPE)
+    want = tags(x, logits, SHAPE.top_k)["final"]
     assert final.shape == (m, SHAPE.hidden) and final.dtype == torch.bfloat16
-    assert not final.isnan().any()
-    # Same routes and shared rows; only the order of the weighted sum (mega
-    # path) or nothing (grouped finalize) differs: a BF16 rounding at most.
-    assert rel_l2(final, ref.final) < 4e-3
+    assert torch.equal(final, want), seeding.rerun_hint()
     name, padded_x, padded_logits = layer.calls[-1]
     bucket = padded_x.shape[0]
-    assert name.startswith("mega" if m <= 4 else "grouped")
-    assert bucket == next(b for b in (1, 2, 3, 4, 8, 16, 32, 48, 64) if b >= m)
+    kernel = "mega" if m <= 4 else "grouped"
+    suffix = "" if kernel == "mega" else "-final"
+    assert bucket == next(b for b in BUCKETS if b >= m)
+    dtype_name = str(dtype).removeprefix("torch.")
+    assert name == f"{kernel}-sm_90a-m{bucket}-{dtype_name}{suffix}"
+    assert torch.equal(padded_x[:m], x) and torch.equal(padded_logits[:m], logits)
     assert torch.equal(padded_x[m:], x[-1:].expand(bucket - m, -1))
     assert torch.equal(padded_logits[m:], logits[-1:].expand(bucket - m, -1))
 
 
 def test_kernel_entries_crop_padding(weights):
     layer = _layer(weights, poison=True)
+    k = SHAPE.top_k
     x, logits, bias = _inputs(3)
     out, ids, w = layer.mega(x, logits, bias)
-    k = SHAPE.top_k
+    want = tags(x, logits, k)
     assert out.shape == (3 * k, SHAPE.hidden) and ids.shape == (3, k) and w.shape == (3, k)
-    ref = moe_reference(x, logits, bias, weights.routed, weights.shared, SHAPE)
-    assert torch.equal(ids, ref.ids) and torch.equal(w, ref.weights)
-    x, logits, bias = _inputs(11)
+    assert torch.equal(out, want["out"]) and torch.equal(ids, want["ids"])
+    assert torch.equal(w, want["weights"])
+    assert layer.calls[-1][0] == "mega-sm_90a-m3-float32"
+    x, logits, bias = _inputs(11, g=seeding.generator(seeding.current_test() + ":11"))
+    want = tags(x, logits, k)
     out, ids, w, shared = layer.grouped(x, logits, bias)
     assert out.shape == (11 * k, SHAPE.hidden) and shared.shape == (11, SHAPE.hidden)
     assert layer.calls[-1][0] == "grouped-sm_90a-m16-float32"
+    assert torch.equal(out, want["out"]) and torch.equal(ids, want["ids"])
+    assert torch.equal(w, want["weights"]) and torch.equal(shared, want["shared"])
     final = layer.grouped(x, logits, bias, finalize=True)
-    assert final.shape == (11, SHAPE.hidden)
+    assert final.shape == (11, SHAPE.hidden) and torch.equal(final, want["final"])
     assert layer.calls[-1][0] == "grouped-sm_90a-m16-float32-final"
+    # Without finalize, the layer itself combines the grouped kernel's rows.
+    only = [v for v in GLM5_LIKE if v.kernel == "grouped" and not v.finalize]
+    assert torch.equal(_layer(weights, variants=only)(x, logits, bias), want["final"])
     with pytest.raises(
         InputError, match=r"mega .*no bucket serves M = 5 \(compiled: \[1, 2, 3, 4\]\)"
     ):
@@ -164,8 +208,10 @@ def test_layer_without_mega_or_bf16_variants(weights):
     only = [v for v in GLM5_LIKE if v.kernel == "grouped" and v.logits_dtype == "float32"]
     layer = _layer(weights, variants=only)
     assert layer.shared_expert is None
-    final = layer(*_inputs(2))
+    x, logits, bias = _inputs(2)
+    final = layer(x, logits, bias)
     assert layer.calls[-1][0] == "grouped-sm_90a-m8-float32-final" and final.shape[0] == 2
+    assert torch.equal(final, tags(x, logits, SHAPE.top_k)["final"])
     with pytest.raises(InputError, match="logits: expected dtype torch.float32"):
         layer(*_inputs(2, torch.bfloat16))
     with pytest.raises(InputError, match="no mega variant"):
@@ -185,25 +231,28 @@ def test_mega_path_takes_the_kernels_shared_rows(weights):
     layer = _layer(weights, poison=True)
     x, logits, bias = _inputs(3)
     out, ids, w, shared = layer.mega(x, logits, bias, shared=True)
-    ref = moe_reference(x, logits, bias, weights.routed, weights.shared, SHAPE)
-    assert shared.dtype == torch.bfloat16 and rel_l2(shared, ref.shared) < 4e-3
+    assert shared.dtype == torch.bfloat16
+    assert torch.equal(shared, tags(x, logits, SHAPE.top_k)["shared"])
     assert len(layer.mega(x, logits, bias)) == 3
 
 
 def test_mega_variants_without_shared_fall_back_to_torch(weights):
     """Routed-only mega variants (older ABI): the torch shared expert fills
-    in, for the layer and for ``mega(shared=True)``."""
+    in, for the layer and for ``mega(shared=True)``: the kernel's routes
+    plus the shared expert of the reference (float64), within BF16 roundings."""
     old = [_variant("mega", m, d, shared=False) for m in (1, 2, 3, 4)
            for d in ("float32", "bfloat16")] + GLM5_LIKE[8:]  # fmt: skip
     assert not any(computes_shared(v) for v in old[:8])
     layer = _layer(weights, variants=old, poison=True)
     assert layer.shared_expert is not None
     for m in (1, 2, 4):
-        x, logits, bias = _inputs(m)
-        ref = moe_reference(x, logits, bias, weights.routed, weights.shared, SHAPE)
-        assert rel_l2(layer(x, logits, bias), ref.final) < 4e-3
+        x, logits, bias = _inputs(m, g=seeding.generator(f"{seeding.current_test()}:{m}"))
+        xq, sx = quantize_activations(x, SHAPE.ue8m0)
+        expert = expert_forward(xq, sx, weights.shared, 0, SHAPE.swiglu_limit, torch.float64).y
+        routed = tags(x, logits, SHAPE.top_k)["routed"]
+        assert rel_l2(layer(x, logits, bias), routed + expert) < 4e-3, seeding.rerun_hint()
         *_, shared = layer.mega(x, logits, bias, shared=True)
-        assert rel_l2(shared, ref.shared) < 4e-3
+        assert shared.dtype == torch.bfloat16 and rel_l2(shared, expert) < 4e-3
 
 
 @pytest.mark.parametrize("with_shared", [True, False])
@@ -211,9 +260,10 @@ def test_combine_matches_finalize(with_shared):
     """``combine`` = runtime.reference.finalize on BF16 rows, within one BF16
     rounding of the result (only the FP32 summation order differs)."""
     m, k, h = 3, 8, 512
-    out = (torch.randn(m * k, h) * 4).to(torch.bfloat16)
-    weights = torch.rand(m, k)
-    shared = (torch.randn(m, h) * 4).to(torch.bfloat16) if with_shared else None
+    g = seeding.generator()
+    out = (torch.randn(m * k, h, generator=g) * 4).to(torch.bfloat16)
+    weights = torch.rand(m, k, generator=g)
+    shared = (torch.randn(m, h, generator=g) * 4).to(torch.bfloat16) if with_shared else None
     got = combine(out, weights, shared)
     want = finalize(out.float(), weights, None if shared is None else shared.float(), k)
     assert got.dtype == torch.bfloat16 and got.shape == (m, h)
@@ -224,9 +274,10 @@ def test_combine_matches_finalize(with_shared):
 
 
 def test_shared_expert_matches_reference(weights):
+    g = seeding.generator()
     for ue8m0 in (False, True):
         shape = MoEShape(**{**fx.SMALL_MODEL, "ue8m0": ue8m0})
-        x = (torch.randn(4, SHAPE.hidden) * 3).to(torch.bfloat16)
+        x = (torch.randn(4, SHAPE.hidden, generator=g) * 3).to(torch.bfloat16)
         got = SharedExpert(weights.shared, shape)(x)
         xq, sx = quantize_activations(x, ue8m0)
         ref = expert_forward(xq, sx, weights.shared, 0, shape.swiglu_limit, torch.float64).y

@@ -2,6 +2,7 @@
 unsharded layer's, and bad splits are refused."""
 
 import pytest
+import seeding
 import torch
 
 from runtime.layout import random_checkpoint
@@ -16,7 +17,7 @@ FULL = MoEShape(
 
 
 def test_shard_outputs_sum_to_the_full_layer():
-    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    g = seeding.generator()
     routed = random_checkpoint(FULL.experts, FULL.hidden, FULL.inter, g)
     shared = random_checkpoint(1, FULL.hidden, FULL.inter, g)
     x = torch.randn(5, FULL.hidden, generator=g).bfloat16()

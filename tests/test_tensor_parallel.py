@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import seeding
 import torch
 import torch.distributed as dist
 import yaml
@@ -170,7 +171,7 @@ def test_shard_outputs_are_summed_in_fp32_and_rounded_once():
 
 
 def test_compare_and_tolerances():
-    want = torch.randn(64, 4096, dtype=torch.float64)
+    want = torch.randn(64, 4096, dtype=torch.float64, generator=seeding.generator())
     case = tp.compare("random", want.bfloat16(), want)
     assert case.ok and case.rel_l2 < 2.0**-9 and case.m == 64
     rms = want.norm().item() / 512
@@ -188,7 +189,7 @@ def test_compare_and_tolerances():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_inputs_have_no_near_ties(dtype):
-    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    g = seeding.generator()
     for std in tp.ROUTINGS.values():
         x, logits, bias = tp.draw_inputs(tp.GLM5, 64, std, dtype, g)
         assert x.dtype == torch.bfloat16 and logits.dtype == dtype and bias.dtype == torch.float32
@@ -215,7 +216,7 @@ def test_near_ties_are_redrawn():
 
 
 def test_skewed_routing_crowds_the_experts():
-    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    g = seeding.generator()
     used = {}
     for name, std in tp.ROUTINGS.items():
         _, logits, bias = tp.draw_inputs(tp.GLM5, 64, std, torch.float32, g)
@@ -230,7 +231,8 @@ def test_skewed_routing_crowds_the_experts():
 def test_single_process_run_matches_the_unsharded_layer():
     lines = []
     bind = _bind()
-    report = tp.run(SMALL, tp.Topology(0, 1, (CPU,)), bind, [1, 3, 8], seed=None, say=lines.append)
+    report = tp.run(SMALL, tp.Topology(0, 1, (CPU,)), bind, [1, 3, 8], seed=seeding.seed(),
+                    say=lines.append)  # fmt: skip
     assert not report.failed and len(report.cases) == 6 and len(bind.bound) == tp.SHARDS
     # Only BF16 roundings separate the reference shards' sum from float64.
     assert all(c.ok and c.rel_l2 < 3 * 2.0**-9 for c in report.cases), report.cases
@@ -246,13 +248,15 @@ def test_a_broken_shard_fails_the_run():
     assert all(line.endswith("FAIL") for line in lines if line.startswith("skewed"))
 
 
-def _worker(rank: int, store: str, results: str):
-    """One of two gloo processes: a good run, then one whose rank-1 shards are broken."""
+def _worker(rank: int, store: str, results: str, seed: int):
+    """One of two gloo processes: a good run (weights and inputs from
+    ``seed``), then one whose rank-1 shards are broken."""
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     try:
         topo = tp.Topology(rank=rank, world=2, devices=(CPU,))
         bind = _bind()
-        good = tp.run(SMALL, topo, bind, [1, 5], routings=["random"], say=lambda s: None)
+        good = tp.run(SMALL, topo, bind, [1, 5], routings=["random"], seed=seed,
+                      say=lambda s: None)  # fmt: skip
         broken = tp.run(SMALL, topo, _bind(broken_shards=(0,) if rank == 1 else ()), [4],
                         routings=["random"], seed=3, say=lambda s: None)  # fmt: skip
         Path(f"{results}.{rank}").write_text(repr({
@@ -266,7 +270,8 @@ def _worker(rank: int, store: str, results: str):
 def test_two_processes_all_reduce_the_shards(tmp_path):
     import torch.multiprocessing as mp
 
-    mp.spawn(_worker, args=(str(tmp_path / "store"), str(tmp_path / "out")), nprocs=2)
+    seed = seeding.seed()
+    mp.spawn(_worker, args=(str(tmp_path / "store"), str(tmp_path / "out"), seed), nprocs=2)
     root = eval((tmp_path / "out.0").read_text())
     other = eval((tmp_path / "out.1").read_text())
     assert root["shards"] == other["shards"] == 2  # 4 shards, 2 per process

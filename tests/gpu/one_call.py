@@ -6,18 +6,24 @@
 
 Weights are random bytes (FP8 NaN codes replaced) made with a handful of
 torch kernels, so a sanitizer spends its time on the MoE kernel, not on
-weight generation. Prints the outputs' finiteness; exit 1 if not finite.
+weight generation. Prints the seed of its random weights and inputs
+(tests/seeding.py: fresh each run; ``MOE_TEST_SEED`` repeats a run) and the
+outputs' finiteness; exit 1 if not finite.
 """
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch
 
 import runtime
 from runtime.layout import ExpertWeights, MoEWeights
 from runtime.model import TILE
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: seeding
+import seeding  # noqa: E402
 
 
 def random_experts(e: int, hidden: int, inter: int, device) -> ExpertWeights:
@@ -41,6 +47,7 @@ def main(path: str, name: str) -> int:
     device = torch.device("cuda", 0)
     artifact = runtime.load(path, device)
     variant = {v.name: v for v in artifact.variants}[name]
+    seeding.seed_torch(f"one_call {name}")
     s = artifact.shape
     weights = MoEWeights(
         random_experts(s.experts, s.hidden, s.inter, device),

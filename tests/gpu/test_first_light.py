@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 import pytest
+import seeding
 import torch
 
 from runtime import driver, tensormap
@@ -23,6 +24,13 @@ from runtime.workspace import Workspaces
 pytestmark = pytest.mark.gpu
 
 ROOT = Path(os.environ.get("MOE_FIRST_LIGHT", Path(__file__).parents[2] / ".device/first_light"))
+
+
+@pytest.fixture(autouse=True)
+def _seeded():
+    """Each test's random tensors come from torch's default generators,
+    seeded for the test (tests/seeding.py: fresh each run, printed)."""
+    seeding.seed_torch()
 
 
 @pytest.fixture(scope="module")

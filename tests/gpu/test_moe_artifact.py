@@ -20,6 +20,7 @@ import json
 import shutil
 
 import pytest
+import seeding
 import torch
 
 import runtime
@@ -43,11 +44,16 @@ def artifact(artifact_path, device):
 
 @pytest.fixture(scope="module")
 def weights(artifact, device):
-    seed = torch.seed() % 2**31
-    print("weight seed", seed)
-    gen = torch.Generator(device).manual_seed(seed)
+    gen = seeding.generator(f"{__name__}.weights", device=device)
     prepared, routed, shared = random_moe_weights(artifact.shape, gen)
     return prepared, routed, shared
+
+
+@pytest.fixture(autouse=True)
+def _seeded():
+    """Each test's inputs come from torch's default generators, seeded for
+    the test (tests/seeding.py: fresh each run, printed)."""
+    seeding.seed_torch()
 
 
 @pytest.fixture(scope="module")
