@@ -8,7 +8,7 @@ JOBS   ?= 2
 # pytest selection; GPU tests skip themselves without a GPU.
 TESTS  ?= tests
 
-.PHONY: install build test lint format bench clean
+.PHONY: install build test lint format bench clean mutations
 
 # The venv is rebuilt when pyproject.toml changes. torch is installed first on
 # its own: a plain range would pull a multi-GB CUDA build where a CPU wheel
@@ -30,6 +30,10 @@ build: install
 ## test: install, then run the test suite (CPU; GPU tests skip without a GPU)
 test: install
 	$(VENV)/bin/pytest -q $(TESTS)
+
+## mutations: make each listed mistake in a scratch copy; its tests must fail (tests/mutations.py)
+mutations: install
+	$(PY) tests/mutations.py
 
 lint: install
 	$(VENV)/bin/ruff check .
