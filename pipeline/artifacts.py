@@ -41,8 +41,9 @@ class Opened:
         for path in sorted(self.root.glob(f"{prefix}*.json")):
             try:
                 out[path.name] = json.loads(path.read_text())
-            except (OSError, ValueError) as exc:
+            except (OSError, ValueError, RecursionError) as exc:
                 raise ArtifactError(f"{path}: not readable JSON ({exc})") from None
+            _check_verify_record(path, out[path.name])
         return out
 
 
@@ -67,3 +68,20 @@ def open_artifact(path: str | Path) -> Iterator[Opened]:
                 root = entries[0]
         data = artifact.read(root)
         yield Opened(root, artifact.ArtifactData(str(path), data.manifest, data.variants))
+
+
+def _check_verify_record(path: Path, record) -> None:
+    """The structure ``moe-build diff`` reads from a ``verify-*.json``: an
+    object whose ``variants`` (if present) map names to objects, each with
+    ``attributes`` and ``result`` objects when present."""
+    if not isinstance(record, dict):
+        raise ArtifactError(f"{path}: expected a JSON object, found {type(record).__name__}")
+    variants = record.get("variants", {})
+    if not isinstance(variants, dict):
+        raise ArtifactError(f"{path}: variants: expected an object, found {variants!r:.60}")
+    for name, entry in variants.items():
+        if not isinstance(entry, dict):
+            raise ArtifactError(f"{path}: variants.{name}: expected an object")
+        for key in ("attributes", "result"):
+            if not isinstance(entry.get(key, {}), dict):
+                raise ArtifactError(f"{path}: variants.{name}.{key}: expected an object")

@@ -171,7 +171,9 @@ def select(config: BuildConfig, archs=(), kernels=(), shard: Shard | None = None
 def build(req: BuildRequest, progress: Progress) -> Path:
     """Builds the artifact at ``req.out``; returns its path or raises
     BuildError (nothing written), OutputError, or KeyboardInterrupt (also
-    for SIGTERM and SIGHUP: ``_interruptible``)."""
+    for SIGTERM and SIGHUP: ``_interruptible``; its ``written`` attribute is
+    the artifact's path when the signal came after the new artifact was in
+    place, else the old one, if any, is untouched)."""
     with _interruptible():
         return _build(req, progress)
 
@@ -241,7 +243,14 @@ def _build(req: BuildRequest, progress: Progress) -> Path:
                               "selection": selection}  # fmt: skip
         manifest = mf.manifest(req.config.to_dict(), records, tools, extra)
         staging.write_json("build-record.json", _record(req, started, timings))
-        return staging.commit(manifest)
+        try:
+            return staging.commit(manifest)
+        except KeyboardInterrupt as exc:
+            # A signal held back during the swap lands once it is done: the
+            # new artifact is in place, and the caller's message says so.
+            if staging.committed:
+                exc.written = staging.target
+            raise
 
 
 def _plan(misses: list[Variant], jobs: int) -> list[tuple[str, int, list[Variant]]]:

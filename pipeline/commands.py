@@ -77,9 +77,11 @@ def compile_config(cfg, out, archs, kernels, patterns, jobs, shard, cache_dir, n
         progress.finish(False, None)
         _error(str(exc))
         return FAILED
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         progress.finish(False, None)
-        _error("interrupted; nothing was written")
+        written = getattr(exc, "written", None)
+        _error(f"interrupted after the new artifact was written to {written}" if written
+               else "interrupted; nothing was written")  # fmt: skip
         return 130
     finally:
         if main_thread:

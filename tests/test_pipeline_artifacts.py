@@ -260,6 +260,17 @@ def test_diff_compares_verify_records(tmp_path, full):
     }
 
 
+@pytest.mark.parametrize("record", [[], {"variants": 5}, {"variants": {"v": 3}},
+                                    {"variants": {"v": {"attributes": [1]}}},
+                                    {"variants": {"v": {"result": "ok"}}}])  # fmt: skip
+def test_diff_refuses_malformed_verify_records(tmp_path, full, record):
+    a = copy_artifact(full, tmp_path / "a")
+    (a / "verify-nvidia-h200.json").write_text(json.dumps(record))
+    code, _, stderr = run("diff", a, full)
+    assert code == 2 and "verify-nvidia-h200.json" in stderr
+    assert len(stderr.strip().splitlines()) == 1 and "Traceback" not in stderr
+
+
 def test_diff_refuses_corrupted_inputs(tmp_path, full):
     bad = copy_artifact(full, tmp_path / "bad")
     victim = sorted((bad / "cubins").iterdir())[0]

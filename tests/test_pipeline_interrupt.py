@@ -366,3 +366,29 @@ def test_staging_names_carry_the_owner(tmp_path):
         assert output.sweep(tmp_path, ".out.tmp-") == []  # alive: kept
         assert staging.path.is_dir()
     assert leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("written", [False, True])
+def test_interrupt_message_says_whether_the_new_artifact_is_in_place(
+    tmp_path, stub_env, monkeypatch, written
+):
+    """A signal held back during the swap lands after it: compile still exits
+    130, but must not claim that nothing was written."""
+    from pipeline import commands
+
+    target = tmp_path / "out"
+
+    def interrupted(req, progress):
+        exc = KeyboardInterrupt()
+        if written:
+            exc.written = target
+        raise exc
+
+    monkeypatch.setattr(commands, "build", interrupted)
+    code, _, stderr = run("compile", GLM5, "-o", target, "--variant", "mega-sm_90a-m1-float32")
+    assert code == 130
+    if written:
+        assert f"interrupted after the new artifact was written to {target}" in stderr
+        assert "nothing was written" not in stderr
+    else:
+        assert "interrupted; nothing was written" in stderr
