@@ -1,5 +1,6 @@
 """`moe-build`: compile MoE decode kernels ahead of time and manage their
-artifacts. Each command is a thin layer over a module of this package."""
+artifacts. Each command is a thin layer over a module of this package (``bench``:
+of the ``benchmarks`` package, which consumes a build)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import sys
 import click
 import yaml
 
-from pipeline import bench_command, commands
+from benchmarks.command import bench
+from pipeline import commands
 from pipeline.config import ConfigError, load_config
 from pipeline.variants import expand
 
@@ -190,7 +192,7 @@ def diff(a, b, as_json):
     sys.exit(commands.diff(a, b, as_json))
 
 
-main.add_command(bench_command.bench)
+main.add_command(bench)
 
 
 if __name__ == "__main__":

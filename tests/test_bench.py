@@ -1,22 +1,45 @@
 """The benchmark's bookkeeping (the timing itself needs a GPU: `moe-build bench`)."""
 
+import dataclasses
+import gc
+import statistics
+import time
+from types import SimpleNamespace
+
+import pytest
 import seeding
 import torch
 from click.testing import CliRunner
 
-from pipeline.bench import ROUTINGS, Row, _speedups, crossover, distinct_experts, routing_inputs
-from pipeline.bench_command import table
+from benchmarks import bench as bench_module
+from benchmarks.bench import (
+    CHECK_CALLS,
+    ROUTINGS,
+    TOLERANCE,
+    Bench,
+    Check,
+    Row,
+    _speedups,
+    crossover,
+    distinct_experts,
+    pool_errors,
+    routing_inputs,
+    time_host,
+)
+from benchmarks.command import summary, table
 from pipeline.cli import main
+from runtime.layout import random_moe_weights
 from runtime.model import MoEShape
+from runtime.reference import moe_reference, rel_l2
 
 SHAPE = MoEShape(256, 128, 64, 4, 2.5, 10.0, False, 1)
 
 
-def _row(kernel, m, t, finalize=None):
+def _row(kernel, m, t, finalize=None, host_us=None):
     return Row(kernel=kernel, arch="sm_90a", tokens=m, routing="random", distinct_experts=4.0,
                weight_bytes=10**6, time_us=t, time_us_min=t, time_us_max=t, reps=5, tb_s=1.0,
                floor_fraction=0.25, correct=True, rel_l2=1e-3, max_abs=1e-2, near_ties=0,
-               finalize=finalize)  # fmt: skip
+               finalize=finalize, host_us=host_us)  # fmt: skip
 
 
 def test_routing_bias_spread_sets_distinct_experts():
@@ -41,13 +64,38 @@ def test_speedups_and_crossover():
     ]
 
 
+def _result(rows):
+    return {"device": "GPU", "driver": "1", "sms": 1, "copy_tb_s": 4.0, "commit": "abc",
+            "date": "2026-01-01", "rows": [dataclasses.asdict(r) for r in rows]}  # fmt: skip
+
+
 def test_table_lists_every_row():
-    rows = [_row("layer", 1, 15.0), _row("baseline", 1, 900.0)]
+    rows = [_row("layer", 1, 15.0, host_us=21.3), _row("baseline", 1, 900.0)]
     _speedups(rows)
-    result = {"device": "GPU", "driver": "1", "sms": 1, "copy_tb_s": 4.0, "commit": "abc",
-              "date": "2026-01-01", "rows": [r.__dict__ for r in rows]}  # fmt: skip
-    text = table(result)
+    text = table(_result(rows))
     assert text.count("\n| random |") == 2 and "60.0x" in text
+    header, _, layer, base = (line.split("|") for line in text.splitlines()[2:6])
+    column = header.index(" host (us) ")
+    assert layer[column] == " 21.3 " and base[column] == "  "  # the baseline has none
+
+
+def test_table_and_summary_read_results_without_host_time():
+    rows = [_row("layer", 2, 30.0), _row("baseline", 2, 900.0), _row("mega", 2, 20.0)]
+    _speedups(rows)
+    old = _result(rows)
+    for r in old["rows"]:
+        del r["host_us"], r["rel_l2_worst_call"]  # a result JSON that predates the fields
+    assert "| 2 | layer | 4.0 | 1.0 | 30.0 |  | 1.00 |" in table(old)
+    text = summary(old)
+    assert "host" not in text
+    assert "| random | 2 | 30.0 | 25% | mega | 20.0 | 25% | 900 | 30x |" in text
+    for r in rows:
+        r.host_us = 12.5 if r.kernel != "baseline" else None
+    text = summary(_result(rows))
+    assert "| layer % of copy | layer host (us) | fastest kernel |" in text
+    assert "| random | 2 | 30.0 | 25% | 12.5 | mega | 20.0 | 25% | 900 | 30x |" in text
+    header, rule, line = text.splitlines()[2:5]
+    assert header.count("|") == rule.count("|") == line.count("|")
 
 
 def test_bench_refuses_bad_tokens_and_needs_a_gpu(tmp_path):
@@ -59,10 +107,7 @@ def test_bench_refuses_bad_tokens_and_needs_a_gpu(tmp_path):
 
 
 def test_torch_baseline_matches_the_reference():
-    from pipeline.baseline import TorchMoE
-    from pipeline.bench import TOLERANCE
-    from runtime.layout import random_moe_weights
-    from runtime.reference import moe_reference, rel_l2
+    from benchmarks.baseline import TorchMoE
 
     shape = MoEShape(512, 256, 64, 4, 2.5, 10.0, False, 1)
     g = seeding.generator()
@@ -101,22 +146,161 @@ class _ReferenceLayer:
         return self._ref(x, logits, bias).final.bfloat16()
 
 
-def test_check_compares_every_kind_with_the_reference():
-    from pipeline.bench import Bench
-    from runtime.layout import random_moe_weights
+class _Skewed(_ReferenceLayer):
+    """A reference layer whose call c's outputs are scaled by 1 + errors[c]
+    (every output part), recording each call's inputs and outputs."""
 
-    shape = MoEShape(256, 128, 32, 4, 2.5, 10.0, False, 1)
-    g = seeding.generator()
+    def __init__(self, routed, shared, shape, errors):
+        super().__init__(routed, shared, shape)
+        self.errors = errors
+        self.seen = []  # (x, logits, bias, outputs) per call
+
+    def _ref(self, x, logits, bias):
+        r = super()._ref(x, logits, bias)
+        s = 1 + self.errors[len(self.seen) % len(self.errors)]
+        return dataclasses.replace(r, out=r.out * s, shared=r.shared * s, final=r.final * s)
+
+    def mega(self, x, logits, bias, shared=False):
+        got = super().mega(x, logits, bias, shared)
+        self.seen.append((x, logits, bias, got))
+        return got
+
+    def __call__(self, x, logits, bias):
+        got = super().__call__(x, logits, bias)
+        self.seen.append((x, logits, bias, got))
+        return got
+
+
+def _bench(shape, g, layer=None):
+    """A Bench with only what check() and _row() read (no GPU)."""
     prepared, routed, shared = random_moe_weights(shape, g)
-    bench = Bench.__new__(Bench)  # no GPU: only what check() reads
+    bench = Bench.__new__(Bench)
     bench.shape, bench.g, bench.device = shape, g, torch.device("cpu")
     bench.checkpoints = (routed, shared)
-    bench.checker = _ReferenceLayer(routed, shared, shape)
+    bench.checker = layer or _ReferenceLayer(routed, shared, shape)
     bench.baseline = bench.checker
+    bench.artifact = SimpleNamespace(arch="sm_90a")
+    bench.copy_tb_s = 4.0
+    return bench
+
+
+CHECK_SHAPE = MoEShape(256, 128, 32, 4, 2.5, 10.0, False, 1)
+
+
+def test_check_compares_every_kind_with_the_reference():
+    g = seeding.generator()
+    bench = _bench(CHECK_SHAPE, g)
     for kind, fin in (("mega", False), ("grouped", False), ("grouped", True), ("layer", False),
                       ("baseline", False)):  # fmt: skip
-        rel, max_abs, ties = bench.check(kind, 3, "random", fin)
+        c = bench.check(kind, 3, "random", fin)
         # BF16 rounding of the outputs only (and of the rows the final sums).
-        assert rel < 1e-2 and max_abs < 0.1 and ties >= 0, (kind, fin, rel)
-    bench.checker = _ReferenceLayer(random_moe_weights(shape, g)[1], shared, shape)
-    assert bench.check("mega", 3, "random")[0] > 0.5  # other weights: caught
+        assert c.rel_l2 < 1e-2 and c.max_abs < 0.1 and c.near_ties >= 0, (kind, fin, c)
+        assert c.calls == CHECK_CALLS and c.rel_l2 <= c.rel_l2_worst_call
+    routed, shared = random_moe_weights(CHECK_SHAPE, g)[1:]
+    bench.checker = _ReferenceLayer(routed, bench.checkpoints[1], CHECK_SHAPE)
+    assert bench.check("mega", 3, "random").rel_l2 > 0.5  # other weights: caught
+
+
+def test_pool_errors_is_the_error_of_the_rows_concatenated():
+    # [calls=2, parts=2, (err2, ref2, max_abs)]: part 0 is 1/4 then 0/96.
+    sums = torch.tensor([[[1.0, 4.0, 0.5], [0.0, 1.0, 0.0]],
+                         [[0.0, 96.0, 0.0], [0.01, 1.0, 0.1]]], dtype=torch.float64)  # fmt: skip
+    pooled, worst, max_abs = pool_errors(sums)
+    # part 0 pooled sqrt(1/100); part 1 sqrt(0.01/2); worst call: part 0 of call 0.
+    assert pooled == pytest.approx(0.1) and worst == pytest.approx(0.5) and max_abs == 0.5
+    sums[1, 1, 0] = float("nan")  # an unwritten (poisoned) output in one call
+    assert all(v != v for v in pool_errors(sums)[:2])
+
+
+@pytest.mark.parametrize("kind", ["layer", "mega"])
+def test_check_pools_the_calls(kind, monkeypatch):
+    """The verdict is the relative L2 of all CHECK_CALLS calls' rows
+    concatenated (per part: routed and shared rows), not any one call's."""
+    monkeypatch.setattr(bench_module, "NEAR_TIE", 2.0)  # every token counts as a near tie
+    g = seeding.generator()
+    shape = CHECK_SHAPE
+    routed, shared = random_moe_weights(shape, g)[1:]
+    layer = _Skewed(routed, shared, shape, errors=[0.03, 0.01] + [0.0] * (CHECK_CALLS - 2))
+    bench = _bench(shape, g, layer)
+    bench.checkpoints = (routed, shared)
+    c = bench.check(kind, 2, "random")
+    assert len(layer.seen) == c.calls == CHECK_CALLS
+    assert c.near_ties == 2 * CHECK_CALLS  # summed over the calls
+    parts = {}  # part -> (got, want) per call
+    for x, logits, bias, got in layer.seen:
+        ref = moe_reference(x, logits, bias, routed, shared, shape, torch.float64)
+        pairs = [(got, ref.final)] if kind == "layer" else [(got[0], ref.out), (got[3], ref.shared)]
+        for p, pair in enumerate(pairs):
+            parts.setdefault(p, []).append(pair)
+    pooled = max(rel_l2(torch.cat([g for g, _ in ps]), torch.cat([w for _, w in ps]))
+                 for ps in parts.values())  # fmt: skip
+    worst = max(rel_l2(g, w) for ps in parts.values() for g, w in ps)
+    max_abs = max((g.double() - w).abs().max().item() for ps in parts.values() for g, w in ps)
+    assert c.rel_l2 == pytest.approx(pooled, rel=1e-9)
+    assert c.rel_l2_worst_call == pytest.approx(worst, rel=1e-9)
+    assert c.max_abs == pytest.approx(max_abs, rel=1e-9)
+    assert 0.025 < c.rel_l2_worst_call < 0.035 and c.rel_l2 < 0.02  # call 0 dominates
+
+
+def test_one_bad_call_does_not_fail_a_case_but_a_bad_case_does():
+    """A single call past the bar (one token's FP8 rounding flip) passes when
+    the pooled error is within it; an error in every call fails."""
+    g = seeding.generator()
+    routed, shared = random_moe_weights(CHECK_SHAPE, g)[1:]
+    one_bad = [0.025] + [0.0] * (CHECK_CALLS - 1)  # one call's rows 2.5e-2 off
+    for errors, correct in ((one_bad, True), ([0.012] * CHECK_CALLS, False)):
+        bench = _bench(CHECK_SHAPE, g, _Skewed(routed, shared, CHECK_SHAPE, errors))
+        bench.checkpoints = (routed, shared)
+        c = bench.check("layer", 2, "random")
+        assert c.rel_l2_worst_call > TOLERANCE["layer"]
+        row = bench._row("layer", 2, "random", 4.0, True, [10.0], c)
+        assert row.correct is correct and row.rel_l2 == c.rel_l2, (errors, c)
+        assert row.rel_l2_worst_call == c.rel_l2_worst_call and row.max_abs == c.max_abs
+
+
+def test_row_takes_the_pooled_verdict_and_the_median_host_time():
+    bench = _bench(CHECK_SHAPE, seeding.generator())
+    check = Check(rel_l2=5e-3, rel_l2_worst_call=1.3e-2, max_abs=0.2, near_ties=1, calls=4)
+    row = bench._row("grouped", 1, "skewed", 4.0, True, [10.0, 12.0, 11.0], check,
+                     [30.0, 20.0, 25.0, 90.0], bucket=1, finalize=False)  # fmt: skip
+    assert row.correct and row.rel_l2 == 5e-3 and row.rel_l2_worst_call == 1.3e-2
+    assert row.host_us == 27.5 and row.time_us == 11.0 and row.near_ties == 1
+    bad = dataclasses.replace(check, rel_l2=1.1e-2)
+    row = bench._row("baseline", 1, "skewed", 4.0, True, [10.0], bad)
+    assert row.host_us is None and row.correct  # the baseline's bar is 3e-2
+    assert not bench._row("mega", 1, "skewed", 4.0, True, [10.0], bad).correct
+
+
+def test_result_records_the_check_calls(monkeypatch):
+    monkeypatch.setattr(bench_module, "device_facts", lambda d: {"device": "GPU"})
+    monkeypatch.setattr(bench_module, "commit_id", lambda: "abc")
+    bench = _bench(CHECK_SHAPE, seeding.generator())
+    bench.artifact.manifest = {"config": {"name": "c"}, "config_hash": "h", "toolchain": None}
+    bench.config, bench.reps = bench.artifact.manifest["config"], 5
+    rows = [_row("layer", 1, 15.0, host_us=20.0), _row("baseline", 1, 900.0)]
+    result = bench.result(rows)
+    assert result["method"]["check_calls"] == CHECK_CALLS
+    assert result["rows"][0]["host_us"] == 20.0 and result["rows"][1]["host_us"] is None
+    assert "rel_l2_worst_call" in result["rows"][0]
+
+
+def test_time_host_times_each_call_without_waiting(monkeypatch):
+    """Each call's own wall time, calls back to back in batches, the device
+    synchronized (untimed) only before and between batches, no garbage
+    collection during the timed calls."""
+    events, collecting = [], []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: events.append("sync"))
+
+    def call(i, seconds):
+        def run():
+            events.append(i)
+            collecting.append(gc.isenabled())
+            time.sleep(seconds)
+
+        return run
+
+    us = time_host([call(0, 0.003), call(1, 0.0)], n=10, batch=4)
+    assert len(us) == 10
+    assert events == [0, 1, "sync", 0, 1, 0, 1, "sync", 0, 1, 0, 1, "sync", 0, 1, "sync"]
+    assert min(us[0::2]) >= 3000 > statistics.median(us[1::2])  # microseconds
+    assert collecting == [True] * 2 + [False] * 10 and gc.isenabled()

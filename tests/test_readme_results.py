@@ -5,7 +5,7 @@ import json
 import re
 from pathlib import Path
 
-from pipeline.bench_command import summary
+from benchmarks.command import summary
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,7 @@
-"""The `moe-build bench` command (the work is in pipeline.bench)."""
+"""The `moe-build bench` command (registered in ``pipeline.cli``): its options
+and exit status, and the two text tables of a result JSON: ``table`` (every
+row) and ``summary`` (one line per routing and M: the README's Performance
+table). The measuring is ``benchmarks.bench``'s."""
 
 from __future__ import annotations
 
@@ -36,19 +39,19 @@ def bench(artifact, tokens, routings, reps, seed, json_out, plot_out) -> None:
     """Time ARTIFACT's kernels and full layer on this GPU.
 
     For each routing and token count M: the layer entry, each kernel variant
-    of bucket M, and a plain-torch baseline, each checked once against the
-    float64 reference on fresh inputs, then timed by CUDA graph replay with
-    weights rotated over several copies so L2 cannot hold them. Reports time,
-    weight bytes, TB/s and the fraction of the device-to-device copy bandwidth
-    measured in the same run. Exit status 1 if any case disagrees with the
-    reference.
+    of bucket M, and a plain-torch baseline, each checked against the float64
+    reference on fresh inputs (the error pooled over several calls), then timed
+    by CUDA graph replay with weights rotated over several copies so L2 cannot
+    hold them. Reports time, eager host time per call, weight bytes, TB/s and
+    the fraction of the device-to-device copy bandwidth measured in the same
+    run. Exit status 1 if any case disagrees with the reference.
     """
     import torch
 
     if not torch.cuda.is_available():
         click.echo("error: bench needs a CUDA GPU; none is visible", err=True)
         sys.exit(2)
-    from pipeline import bench as b
+    from benchmarks import bench as b
 
     run = b.Bench(artifact, reps=reps, seed=seed, log=lambda s: click.echo(s, err=True))
     rows = run.run(tokens, routings)
@@ -71,23 +74,26 @@ def bench(artifact, tokens, routings, reps, seed, json_out, plot_out) -> None:
 
 
 def table(result: dict) -> str:
-    """A Markdown table of a result's rows (the README shows this)."""
+    """A Markdown table of every row of a result: times in us, ``host (us)``
+    the eager host time per call (blank where the row has none, as the
+    baseline's and every row of results that predate it)."""
     lines = [
         f"{result['device']} (driver {result['driver']}, {result['sms']} SMs), copy bandwidth "
         f"{result['copy_tb_s']:.2f} TB/s, commit {result['commit'][:10]}, {result['date']}",
         "",
-        "| routing | M | kernel | distinct experts | MB read | time (us) | TB/s | % of copy | "
-        "vs torch | rel L2 |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| routing | M | kernel | distinct experts | MB read | time (us) | host (us) | TB/s | "
+        "% of copy | vs torch | rel L2 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         kernel = r["kernel"] + (" (final)" if r.get("finalize") else "")
         if r.get("bucket") not in (None, r["tokens"]):
             kernel += f" (padded to {r['bucket']})"
         speed = f"{r['speedup_vs_baseline']:.1f}x" if r.get("speedup_vs_baseline") else ""
+        host = "" if r.get("host_us") is None else f"{r['host_us']:.1f}"
         lines.append(
             f"| {r['routing']} | {r['tokens']} | {kernel} | {r['distinct_experts']} | "
-            f"{r['weight_bytes'] / 1e6:.1f} | {r['time_us']:.1f} | {r['tb_s']:.2f} | "
+            f"{r['weight_bytes'] / 1e6:.1f} | {r['time_us']:.1f} | {host} | {r['tb_s']:.2f} | "
             f"{100 * r['floor_fraction']:.0f}% | {speed} | {r['rel_l2']:.1e} |"
         )
     return "\n".join(lines)
@@ -95,16 +101,22 @@ def table(result: dict) -> str:
 
 def summary(result: dict) -> str:
     """One line per (routing, M): the layer entry, the fastest kernel variant
-    that serves M directly, and the torch baseline (the README's table)."""
+    that serves M directly, and the torch baseline (the README's table).
+
+    A ``layer host (us)`` column (the layer's eager host time per call) is
+    there only when every layer row has ``host_us``, so a result that predates
+    the field gives the same table as before."""
+    rows = result["rows"]
+    with_host = all(r.get("host_us") is not None for r in rows if r["kernel"] == "layer")
     lines = [
         f"{result['device']}, copy bandwidth {result['copy_tb_s']:.2f} TB/s "
         f"(commit {result['commit'][:9]}, {result['date'][:10]})",
         "",
-        "| routing | M | layer (us) | layer % of copy | fastest kernel | kernel (us) | "
-        "kernel % of copy | torch (us) | layer vs torch |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| routing | M | layer (us) | layer % of copy | "
+        + ("layer host (us) | " if with_host else "")
+        + "fastest kernel | kernel (us) | kernel % of copy | torch (us) | layer vs torch |",
+        "|---|---|---|---|---|---|---|---|---|" + ("---|" if with_host else ""),
     ]
-    rows = result["rows"]
     keys = sorted({(r["routing"], r["tokens"]) for r in rows}, key=lambda k: (k[0], k[1]))
     for routing, m in keys:
         here = [r for r in rows if r["routing"] == routing and r["tokens"] == m]
@@ -114,9 +126,10 @@ def summary(result: dict) -> str:
                   and r.get("bucket") in (None, m)]  # fmt: skip
         best = min(direct, key=lambda r: r["time_us"])
         name = best["kernel"] + (" (final)" if best.get("finalize") else "")
+        host = f"| {layer['host_us']:.1f} " if with_host else ""
         lines.append(
             f"| {routing} | {m} | {layer['time_us']:.1f} | {100 * layer['floor_fraction']:.0f}% "
-            f"| {name} | {best['time_us']:.1f} | {100 * best['floor_fraction']:.0f}% | "
+            f"{host}| {name} | {best['time_us']:.1f} | {100 * best['floor_fraction']:.0f}% | "
             f"{base['time_us']:.0f} | {layer['speedup_vs_baseline']:.0f}x |"
         )
     return "\n".join(lines)

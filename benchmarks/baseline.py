@@ -7,7 +7,8 @@ back (the same numerics as the kernels' activation quantization), then runs
 two BF16 matmuls per distinct expert on that expert's tokens, the clamped
 SwiGLU, the FP8 hidden quantization round trip, and a weighted scatter-add;
 the shared expert runs on every token. It syncs with the host once per call
-(to learn which experts were picked), as such code does.
+(to learn which experts were picked), as such code does, so it cannot be
+captured in a CUDA graph: ``benchmarks.bench`` times it eagerly.
 """
 
 from __future__ import annotations
