@@ -102,8 +102,10 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import runtime  # noqa: E402
+from runtime.constants import MAX_TOKENS, TILE  # noqa: E402
+from runtime.inputs import LOGITS  # noqa: E402
 from runtime.layout import CheckpointWeights, MoEWeights, prepare, random_checkpoint  # noqa: E402
-from runtime.model import TILE, MoEShape  # noqa: E402
+from runtime.model import MoEShape  # noqa: E402
 from runtime.reference import moe_reference, tie_margin  # noqa: E402
 from runtime.sharding import shard_shape, split_checkpoint  # noqa: E402
 
@@ -115,8 +117,6 @@ GLM5 = MoEShape(
 SHARDS = 4
 #: Routing name -> standard deviation of the bias (logits are N(0, 1)).
 ROUTINGS = {"random": 0.1, "skewed": 1.0}
-LOGITS = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-MAX_TOKENS = 64
 
 #: Relative-L2 bar each shard meets against its own reference.
 SHARD_BAR = 1e-2

@@ -51,13 +51,13 @@ from kernels.grouped_plan import (
     SHIFT_TILE,
     SPLIT_UNITS,
     STAGE_BYTES,
-    TILE,
     TILE_BITS,
     UNIT_BITS,
     WAIT_TIMEOUT_NS,
     GroupedPlan,
     SmemLayout,
 )
+from runtime.constants import TILE
 
 THREADS = 256
 EPILOGUE_THREADS = 128

@@ -1,5 +1,5 @@
-"""Grouped MoE kernel for sm_100a (B200/GB200): the seed's persistent kernel
-(``shared/seeds/grouped_moe.clean.txt``), with its architecture-independent
+"""Grouped MoE kernel for sm_100a (B200/GB200): the persistent grouped kernel
+with tcgen05 MMA and TMEM accumulators, with its architecture-independent
 device code in ``kernels.grouped_common`` (shared with sm_90a) and its host
 formulas in ``kernels.grouped_plan``.
 
@@ -36,7 +36,6 @@ from kernels import moe_common as mc
 from kernels import ptx
 from kernels.grouped_common import THREADS, GroupedCommon, RowFragment, Tables
 from kernels.ptx import tcgen05 as tc
-from kernels.shapes import TILE
 from kernels.spec import (
     CompiledKernel,
     KernelSpec,
@@ -45,6 +44,7 @@ from kernels.spec import (
     Workspace,
     entry_from_ptx,
 )
+from runtime.constants import SMEM_LIMIT, TILE
 
 ARCH = "sm_100a"
 ENTRY_PREFIX = "moe_grouped_sm100"
@@ -55,8 +55,8 @@ MMA_WARP = 1
 #: All 512 TMEM columns: one CTA per SM, so no other CTA waits for them.
 TMEM_COLUMNS = 512
 COLUMNS = gp.DEPTH * gp.GROUP  # TMEM columns of one stage's accumulators
-#: Accumulator slots between the MMA warp and the epilogue (at most 32 in the
-#: seed's formula; 16 here).
+#: Accumulator slots between the MMA warp and the epilogue (at most 32; with
+#: 512 TMEM columns of COLUMNS each, 16 here).
 SLOTS = min(32, TMEM_COLUMNS // COLUMNS)
 #: UMMA instruction descriptor: E4M3 x E4M3 -> F32, M = 128 weight rows, N =
 #: GROUP tokens.
@@ -257,9 +257,9 @@ class GroupedKernel(GroupedCommon):
             if word != Uint32(gp.END):
                 fc2, half, unit, tile, _, opens, closes = self.unpack(word)
                 count = t.ucnt[unit]
-                into_gate = tile >= self.pairs
-                if fc2:
-                    into_gate = tile < 0
+                # FC1 gate row tiles (pairs..2 * pairs - 1) sum into ``gate``; FC1 up
+                # tiles and every FC2 stage (its tile an output row tile) into ``up``.
+                into_gate = not fc2 and tile >= self.pairs
                 if opens:
                     start = n
                     for j in cutlass.range_constexpr(w):
@@ -355,7 +355,7 @@ def compile_kernel(spec: KernelSpec) -> CompiledKernel:
         "max_units": plan.max_units,
         "fc2_jobs_per_claim": plan.chunk,
         "smem_layout": {name: [off, size] for name, off, size in layout.regions()},
-        "smem_limit": gp.SMEM_LIMIT[ARCH],
+        "smem_limit": SMEM_LIMIT[ARCH],
         "resident_ctas_required": plan.grid,
     }
     return CompiledKernel(

@@ -1,7 +1,7 @@
 """Grouped MoE kernel for Hopper (sm_90a): routed experts plus the shared
 expert of 8-64 decode tokens in one persistent kernel, one CTA per SM.
 
-The seed's plan, unchanged (``grouped_plan``, ``grouped_common``): CTA t
+The sm_100a kernel's plan, unchanged (``grouped_plan``, ``grouped_common``): CTA t
 routes and quantizes token t into a global plan; every CTA numbers the units
 (up to 16 tokens of one expert, the shared expert's first) and splits the FC1
 weight stages (two 128 x 128 K blocks of one row tile) evenly over the CTAs,
@@ -31,7 +31,7 @@ lane l) holds, per 64-row half h, physical rows 16 w + l // 4 and + 8, tokens
 those two physical rows are the logical neighbours 2 (l // 4) and + 1, so a
 thread stores two adjacent output elements per token (one BF16x2 word, one
 FP8 pair); the ``rows`` table is not read (the shuffle is the layout's
-contract, semantics.md).
+contract, docs/semantics.md, "Weight layout").
 
 Choices and why (measured on the H200, 2026-11-29, glm5 shard: H 4096,
 I 512, 288 experts, top-8, one CTA per SM of the H200):
@@ -41,10 +41,10 @@ I 512, 288 experts, top-8, one CTA per SM of the H200):
   (a 32 KiB stage must be consumed in ~1 us to keep up with HBM; the 16 wgmma
   of a stage plus its scaled sums take a fraction of that), so the simpler
   non-overlapped chain was kept. 118-124 registers, no local memory.
-* Weight stages of 32 KiB (DEPTH 2 K blocks) as in the seed; the ring is as
-  deep as ``grouped_plan.SMEM_LIMIT['sm_90a']`` allows: 6 stages at M <= 16,
-  5 above (the unit tables grow with M).
-* Three gatherer warps (the seed had two beside a TMEM-issue warp, which
+* Weight stages of 32 KiB (DEPTH 2 K blocks) as on sm_100a; the ring is as
+  deep as ``runtime.constants.SMEM_LIMIT['sm_90a']`` allows: 6 stages at
+  M <= 16, 5 above (the unit tables grow with M).
+* Three gatherer warps (the sm_100a kernel has two beside a TMEM/UMMA warp, which
   Hopper does not need).
 * Weight TMA loads carry an L2 evict-first policy (1-3% faster at every M).
 * Graph replays of 20 calls (median of 7), weights + scales of the distinct
@@ -92,9 +92,10 @@ from kernels.grouped_common import (
     GroupedCommon,
     Tables,
 )
-from kernels.grouped_plan import DEPTH, END, GROUP, STAGE_BYTES, TILE, GroupedPlan
+from kernels.grouped_plan import DEPTH, END, GROUP, STAGE_BYTES, GroupedPlan
 from kernels.ptx import wgmma
 from kernels.spec import PARAMETER_NAMES, CompiledKernel, KernelSpec, LaunchShape, Param
+from runtime.constants import SMEM_LIMIT, TILE
 
 ENTRY = "moe_grouped_sm90"
 ARCH = "sm_90a"
@@ -291,9 +292,9 @@ class GroupedMoeSm90(GroupedCommon):
                     for i in cutlass.range_constexpr(v):
                         up[i] = Float32(0.0)
                         gate[i] = Float32(0.0)
-                into_gate = tile >= self.pairs
-                if fc2:
-                    into_gate = tile < 0
+                # FC1 gate row tiles (pairs..2 * pairs - 1) sum into ``gate``; FC1 up
+                # tiles and every FC2 stage (its tile an output row tile) into ``up``.
+                into_gate = not fc2 and tile >= self.pairs
                 if into_gate:
                     self.add_scaled(frag, gate, parts, scales)
                 else:
@@ -401,7 +402,7 @@ def compile_kernel(spec: KernelSpec) -> CompiledKernel:
         notes={
             "stages": layout.stages,
             "stage_bytes": layout.a_bytes + layout.b_bytes,
-            "smem_limit": gp.SMEM_LIMIT[ARCH],
+            "smem_limit": SMEM_LIMIT[ARCH],
             "threads": THREADS,
             "gatherers": GATHERERS,
             "max_units": plan.max_units,

@@ -27,14 +27,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kernels.shapes import MAX_TOKENS, TILE
 from kernels.spec import Workspace
+from runtime.constants import MAX_TOKENS, SMEM_LIMIT, TILE
+from runtime.constants import SMEM_OPTIN as SMEM_OPTIN  # re-exported for its readers
 
 GROUP = 16  # tokens of a unit: the MMA N side
 DEPTH = 2  # K blocks of a weight stage
 SPLIT_UNITS = 40  # above this many units, halves A and B
 STAGE_BYTES = TILE * TILE  # one FP8 128 x 128 box
-FP8_MAX = 448.0
 #: How long a CTA waits on other CTAs' counters before it traps (ns of
 #: ``%globaltimer``). The waits last microseconds when every CTA is resident
 #: (the runtime launches the kernel cooperatively, which guarantees that);
@@ -50,16 +50,9 @@ SHIFT_TILE, SHIFT_KB = 10, 16
 BIT_FC2, BIT_HALF, BIT_OPENS, BIT_CLOSES = 22, 23, 24, 25
 END = 0xFFFFFFFF
 
-#: Dynamic shared memory one CTA may use, per target: the per-block opt-in
-#: (cudaDevAttrMaxSharedMemoryPerBlockOptin: 232448 B = 227 KiB on H100/H200
-#: and B200) less the 1 KiB the cubin reports as static for any kernel using
-#: shared memory. The one place the kernels' shared-memory limits come from.
-SMEM_OPTIN = {"sm_90a": 232448, "sm_100a": 232448}
-SMEM_RESERVED = 1024
-SMEM_LIMIT = {arch: optin - SMEM_RESERVED for arch, optin in SMEM_OPTIN.items()}
-
-#: Stage counts tried, deepest first (hopper.md: 4 to 12 stages of 16 KiB
-#: reach the copy bandwidth; a stage here is 32 KiB).
+#: Stage counts tried, deepest first (measured on the H200: 4 to 12 stages of
+#: 16 KiB reach the copy bandwidth on long streams, docs/notes/h200-measurements.md;
+#: a stage here is 32 KiB).
 MAX_STAGES, MIN_STAGES = 12, 4
 
 
@@ -84,7 +77,8 @@ def unit_capacity(experts: int, top_k: int, tokens: int = MAX_TOKENS, group: int
 
 def chunk_jobs(tokens: int) -> int:
     """FC2 jobs per claim: fewer unit switches against a finer tail balance
-    (seed, on B200: 8 tokens 59 vs 65 us at 2 vs 8; 64 tokens 174 vs 181 us
+    (figures recorded on a B200 with the Blackwell kernel the grouped kernels
+    were ported from: 8 tokens 59 vs 65 us at 2 vs 8; 64 tokens 174 vs 181 us
     at 8 vs 2)."""
     return 2 if tokens <= 16 else 8
 
@@ -318,7 +312,7 @@ def smem_layout(plan: GroupedPlan, stages: int, gatherers: int, slots: int = 0) 
 
 def fit_layout(plan: GroupedPlan, arch: str, gatherers: int, slots: int = 0) -> SmemLayout:
     """The deepest layout (MAX_STAGES down to MIN_STAGES stages) that fits
-    ``arch``'s shared-memory limit."""
+    ``arch``'s shared-memory limit (``SMEM_LIMIT``, from ``runtime.constants``)."""
     limit = SMEM_LIMIT[arch]
     for stages in range(MAX_STAGES, MIN_STAGES - 1, -1):
         layout = smem_layout(plan, stages, gatherers, slots)

@@ -2,7 +2,7 @@
 activation quantization, clamped SwiGLU, the hidden block's FP8 code and the
 physical -> logical row map. Every kernel (both mega kernels, both grouped
 kernels, sm_90a and sm_100a) calls these, so the H200 tests exercise the same
-code the sm_100a cubins contain. The math is ``shared/design/semantics.md``'s.
+code the sm_100a cubins contain. The math is ``docs/semantics.md``'s.
 
 Units: global addresses are ``Int64`` bytes; ``lane`` is the lane in the warp.
 """
@@ -14,9 +14,8 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
 
 from kernels import ptx
+from runtime.constants import FP8_MAX
 
-TILE = 128  # K blocks, scale blocks and row tiles
-FP8_MAX = 448.0  # largest finite e4m3
 SCALE_FLOOR = 1e-10  # amax floor of every quantization scale
 LOG2E = 1.4426950408889634
 
@@ -222,7 +221,7 @@ def quantize_activations(values, lanes: cutlass.Constexpr[int], ue8m0: cutlass.C
 
     ``amax = max(1e-10, max|x|)``, ``sx = amax / 448`` (IEEE), rounded up to a
     power of two with ``ue8m0``; codes ``e4m3(x * (1 / sx))`` (the correctly
-    rounded reciprocal, as the seeds and ``runtime.reference`` do; round to
+    rounded reciprocal, as ``runtime.reference`` does; round to
     nearest even, saturating: ``e4m3x4``). Returns ``(words, sx)``: a register tensor of
     len(values) / 4 words, four codes each, the first value in the lowest
     byte."""

@@ -3,10 +3,12 @@
 A kernel module defines ``compile_kernel(spec: KernelSpec) -> CompiledKernel``.
 The files whose text can decide its code (``source_files``) are every Python
 file of the ``kernels`` package, whatever imports them and however (absolute,
-relative, lazily inside a function), plus the module itself and what it
-imports, absolutely or relatively, when it lives outside the package (the
-stand-in kernels of the tests). Found by listing and parsing, importing
-nothing, so the build cache never needs cutlass to compute a key.
+relative, lazily inside a function), plus every module outside the package
+that the kernel module reaches through imports, absolutely or relatively: the
+repository's own (``runtime.constants``, which the kernels read their
+constants from) and the stand-in kernels of the tests with their helpers.
+Found by listing and parsing, importing nothing, so the build cache never
+needs cutlass to compute a key.
 
 CuTe DSL reads the target architecture from ``CUTE_DSL_ARCH`` when cutlass is
 first imported (setting it later has no effect: measured with 4.8.1), so one
@@ -82,8 +84,11 @@ def compile_variant(spec: KernelSpec) -> CompiledKernel:
 
 def source_files(kernel: str, arch: str) -> list[Path]:
     """Every ``.py`` file of the ``kernels`` package, plus the module of
-    (kernel, arch) and the modules it imports transitively (absolute and
-    relative imports) where those lie outside the package; sorted, absolute.
+    (kernel, arch) and every module outside the package that it reaches
+    through imports (absolute and relative, followed transitively, through
+    the package's modules too): the repository's (``runtime.constants``) and
+    an outside kernel's helpers; sorted, absolute. A package's
+    ``__init__.py`` counts when the package itself is imported.
 
     Hashing the whole package costs a few more rebuilds (an edit to one
     kernel's file also re-keys the other kernels) and can never miss a file
@@ -134,23 +139,31 @@ def _absolute(module: str | None, level: int, package: str) -> str | None:
 
 
 def _module_path(name: str) -> Path | None:
-    """File of a ``kernels.*`` module or package, or of a module outside the
-    package that is named in ``$MOE_BUILD_KERNEL_MODULES`` or imported by one
-    (found on ``sys.path``, never imported); None for anything else (the
-    standard library, cutlass, torch)."""
+    """File of a ``kernels.*`` module or package, of another module of the
+    repository (``runtime.constants``: the directory above ``kernels``), or of
+    a module outside it that is named in ``$MOE_BUILD_KERNEL_MODULES`` or
+    imported by one (found on ``sys.path``); never imported. None for
+    anything else (the standard library, cutlass, torch)."""
     parts = name.split(".")
     if parts[0] == "kernels":
-        base = KERNELS_DIR.joinpath(*parts[1:])
-        for candidate in (base.with_suffix(".py"), base / "__init__.py"):
-            if candidate.is_file():
-                return candidate.resolve()
-        return None
+        return _file_of(KERNELS_DIR, parts[1:])
+    found = _file_of(KERNELS_DIR.parent, parts)
+    if found is not None:
+        return found
     outside = {m.split(".")[0] for m in modules().values() if not m.startswith("kernels")}
     if parts[0] not in outside:
         return None
     for root in map(Path, sys.path or ["."]):
-        base = root.joinpath(*parts)
-        for candidate in (base.with_suffix(".py"), base / "__init__.py"):
-            if candidate.is_file():
-                return candidate.resolve()
+        found = _file_of(root, parts)
+        if found is not None:
+            return found
+    return None
+
+
+def _file_of(root: Path, parts: list[str]) -> Path | None:
+    """``root/<parts>.py`` or ``root/<parts>/__init__.py`` (resolved), if a file."""
+    base = root.joinpath(*parts)
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return candidate.resolve()
     return None

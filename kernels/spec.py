@@ -16,9 +16,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-KERNELS = ("mega", "grouped")
-ARCHS = ("sm_90a", "sm_100a")
-LOGITS_DTYPES = ("float32", "bfloat16")
+from runtime.constants import MAX_TOKENS
 
 #: What each parameter name means to the runtime (shapes per variant; M is the
 #: variant's token bucket, E experts, H hidden, I inter).
@@ -41,8 +39,8 @@ PARAMETER_NAMES = {
     "final": "bf16 [M, H] finalized MoE output (aliases shared_out without finalize)",
     "ids": "int32 [M * top_k] selected experts",
     "weights": "fp32 [M * top_k] routing weights",
-    "plan_x": "workspace: fp8 [64, H] quantized tokens",
-    "plan_s": "workspace: fp32 [64, H/128] activation scales",
+    "plan_x": f"workspace: fp8 [{MAX_TOKENS}, H] quantized tokens",
+    "plan_s": f"workspace: fp32 [{MAX_TOKENS}, H/128] activation scales",
     "hidden": "workspace: fp8 hidden blocks of every unit",
     "hscale": "workspace: fp32 hidden scales of every unit",
     "partial": "workspace: fp32 FC1 partials",

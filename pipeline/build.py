@@ -49,7 +49,6 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kernels.spec import ARCHS, KERNELS
 from pipeline import manifest as mf
 from pipeline import toolchain, worker
 from pipeline.cache import BuildCache, cache_key, source_hashes
@@ -57,6 +56,7 @@ from pipeline.config import BuildConfig
 from pipeline.output import Staging, owned_prefix, sweep
 from pipeline.progress import Progress
 from pipeline.variants import Variant, expand
+from runtime.constants import ARCHS, KERNELS
 
 #: The stem of a build's scratch directory name (pipeline.output, owned names).
 SCRATCH_STEM = "moe-build-"

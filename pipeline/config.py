@@ -16,8 +16,8 @@ from pathlib import Path
 
 import yaml
 
-from kernels.shapes import MAX_TOKENS, TILE, unsupported
-from kernels.spec import ARCHS, KERNELS, LOGITS_DTYPES
+from kernels.shapes import unsupported
+from runtime.constants import ARCHS, KERNELS, LOGITS_DTYPES, MAX_TOKENS, TILE
 from runtime.model import MoEShape
 
 

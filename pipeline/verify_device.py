@@ -14,7 +14,7 @@ Agreement rule, the same as the runtime's GPU acceptance test
 output is compared with the float32 reference that quantizes activations and
 hidden values the same way, fed the kernel's own expert choice, as the
 relative L2 error ``|got - ref| / |ref|``; it must stay below
-``REL_L2_TOL = 1e-2`` (design/semantics.md's bar; measured on the H200:
+``REL_L2_TOL = 1e-2`` (docs/semantics.md, "Accuracy bar"; measured on the H200:
 2e-3 to 6e-3, from the tensor cores' FP8 accumulation moving a few hidden
 values across an FP8 rounding boundary; broken kernels land at ~0.3 to ~1). The chosen experts must equal the reference's except on
 tokens whose selection keys are within ``TIE`` of a tie, and the routing

@@ -2,7 +2,7 @@
 
 ``runtime.load(path)`` verifies an artifact (directory or ``.tar.zst``) and
 loads its cubins for the current device's arch; ``artifact.bind(weights)``
-gives a layer with the seeds' calling conventions (runtime.moe). No CuTe DSL,
+gives a layer with the calling conventions of docs/semantics.md (runtime.moe). No CuTe DSL,
 no compiler and no JIT: this package never imports cutlass.
 """
 

@@ -21,12 +21,10 @@ from pathlib import Path, PurePosixPath
 
 import zstandard
 
+from runtime.constants import ARCHS, KERNELS, LOGITS_DTYPES
 from runtime.errors import ArtifactError
 
 SCHEMA = 1
-KERNELS = ("mega", "grouped")
-ARCHS = ("sm_90a", "sm_100a")
-LOGITS_DTYPES = ("float32", "bfloat16")
 PARAM_KINDS = ("pointer", "i32")
 #: What the driver copies per parameter kind (pipeline records read the size
 #: from the cubin; the launcher relies on it).

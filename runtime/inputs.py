@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import torch
 
+from runtime.constants import LOGITS_DTYPES, MAX_TOKENS, TILE
 from runtime.errors import InputError
-from runtime.model import TILE, MoEShape
-from runtime.plan import MAX_TOKENS
+from runtime.model import MoEShape
 
 #: Every kernel pointer is assumed 16-byte aligned (vector loads).
 ALIGN = 16
-LOGITS = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+#: Logits dtype name (an artifact's ``logits_dtype``) -> its torch dtype.
+LOGITS = {name: getattr(torch, name) for name in LOGITS_DTYPES}
 
 
 def check_tensor(name: str, t, dtype, shape, device: torch.device) -> None:

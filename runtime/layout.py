@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.model import FP8_MAX, TILE, MoEShape
+from runtime.constants import FP8_MAX, TILE
+from runtime.model import MoEShape
 
 FP8 = torch.float8_e4m3fn
 

@@ -19,6 +19,7 @@ import torch
 
 from runtime import driver, graphs, tensormap
 from runtime.artifact import ArtifactData, Variant, read
+from runtime.constants import ARCH_OF
 from runtime.errors import ArtifactError, DeviceRefused
 from runtime.inputs import check_weights
 from runtime.launch import Launcher
@@ -26,8 +27,6 @@ from runtime.model import MoEShape
 from runtime.moe import MoELayer, fillable
 from runtime.workspace import Workspaces
 
-#: Compute capability -> the arch of the cubins that run there.
-ARCH_OF = {(9, 0): "sm_90a", (10, 0): "sm_100a"}
 #: Kernels whose CTAs wait on each other: their whole grid must be resident.
 PERSISTENT = ("grouped",)
 

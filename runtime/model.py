@@ -1,12 +1,12 @@
-"""The MoE layer's shape and constants: one statement shared by configs,
-kernels' specs, the reference and the runtime (no torch, no cutlass)."""
+"""The MoE layer's shape: one statement shared by configs, kernels' specs,
+the reference and the runtime (no torch, no cutlass). The constants it is
+stated in (``TILE``, ``FP8_MAX``, ...) are defined in ``runtime.constants``."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-TILE = 128  # K blocks, scale blocks and row tiles of every kernel
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
+from runtime.constants import TILE
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""A bound MoE layer: the seeds' calling conventions over prebuilt cubins.
+"""A bound MoE layer: the kernels' calling conventions (docs/semantics.md) over prebuilt cubins.
 
 ``layer.mega(x, logits, bias)`` -> (out, ids, weights) (``shared=True``: also
 the shared expert's output) and ``layer.grouped(x, logits, bias,
@@ -17,9 +17,10 @@ a CUDA graph and replayed. A captured launch makes the graph hold the layer
 reference to the layer and its artifact; what it points at is freed only
 once the graph and its instantiations are destroyed.
 
-Calls the mega kernel serves: mega variants with a ``shared_out`` parameter
-compute the shared expert in extra routes of the same launch; for older ones
-the layer computes it in torch (runtime.shared_expert, slow). The layer then
+Calls the mega kernel serves: the mega variants of a model with a shared
+expert compute it in extra routes of the same launch (a ``shared_out``
+parameter); the layer refuses, at bind, mega variants built without it, so
+no call runs an expert in torch. The layer then
 weights and adds the routes and the shared row in torch (``combine``: FP32,
 four small kernels, no host sync; ~12.5 us on the H200 in a CUDA graph, next
 to 20-50 us of mega kernel at M = 1..4; the grouped kernel's in-kernel
@@ -31,12 +32,12 @@ from __future__ import annotations
 import torch
 
 from runtime import driver, graphs
-from runtime.errors import InputError
+from runtime.constants import KERNELS, TILE
+from runtime.errors import ArtifactError, InputError
 from runtime.inputs import LOGITS, check_call
 from runtime.layout import logical_rows
-from runtime.model import TILE, MoEShape
+from runtime.model import MoEShape
 from runtime.plan import Step, bucket_for, default_table, pad_rows
-from runtime.shared_expert import SharedExpert
 
 _DTYPE_NAMES = {v: k for k, v in LOGITS.items()}
 #: i32 parameters the runtime knows how to fill, from (bucket, top_k).
@@ -76,7 +77,7 @@ class MoELayer:
         self.tables = {}
         for dtype in LOGITS:
             kernels = {k: {b: set(f) for b, f in self.buckets.get((k, dtype), {}).items()}
-                       for k in ("mega", "grouped")}  # fmt: skip
+                       for k in KERNELS}  # fmt: skip
             self.tables[dtype] = dict(table.get(dtype, {})) if table else default_table(kernels)
         self.dtypes = tuple(d for d in LOGITS if self.tables[d])
         for dtype, steps in self.tables.items():
@@ -87,27 +88,29 @@ class MoELayer:
                         f"table[{dtype!r}][{m}]: {step} names no variant of this artifact "
                         f"that serves M = {m}"
                     )
-        # The torch shared expert, only for mega variants that lack it.
-        self.shared_expert = None
-        if shape.shared_experts and any(
-            v.kernel == "mega" and not computes_shared(v) for v in artifact.variants
-        ):
-            self.shared_expert = SharedExpert(_expert(tensors, "s"), shape)
+        if shape.shared_experts:
+            routed_only = [v.name for v in artifact.variants
+                           if v.kernel == "mega" and not computes_shared(v)]  # fmt: skip
+            if routed_only:
+                raise ArtifactError(
+                    f"variants {', '.join(routed_only)}: built without the shared expert's "
+                    "routes (no shared_out parameter), but the model has a shared expert; "
+                    "rebuild the artifact"
+                )
 
     # Entries ------------------------------------------------------------------
 
     def mega(self, x, logits, bias, shared: bool = False):
         """Routed experts by the mega kernel: (out, ids, weights); with
-        ``shared`` also the shared expert's BF16 [M, H] output (the kernel's
-        when the variant computes it, else runtime.shared_expert's; None
-        without a shared expert)."""
+        ``shared`` also the shared expert's BF16 [M, H] output (computed by
+        the same launch; None without a shared expert)."""
         m, dtype = self._check(x, logits, bias, "mega")
         step = self._step("mega", m, dtype, False)
         out, ids, weights, rows, _ = self._run(step, x, logits, bias, dtype)
         routed = self._crop(m, out, ids, weights)
         if not shared:
             return routed
-        return (*routed, self._mega_shared(step, dtype, x, rows, m))
+        return (*routed, rows[:m] if self.shape.shared_experts else None)
 
     def grouped(self, x, logits, bias, finalize: bool = False):
         """Routed plus shared expert by the grouped kernel: (out, ids, weights,
@@ -129,10 +132,7 @@ class MoELayer:
         if step.finalize:
             return final[:m]
         out, ids, weights = self._crop(m, out, ids, weights)
-        if step.kernel == "mega":
-            shared = self._mega_shared(step, dtype, x, shared, m)
-        else:
-            shared = shared[:m] if self.shape.shared_experts else None
+        shared = shared[:m] if self.shape.shared_experts else None
         return combine(out, weights, shared)
 
     # Parts ----------------------------------------------------------------------
@@ -207,15 +207,6 @@ class MoELayer:
     def _crop(self, m: int, out, ids, weights):
         return out[: m * self.shape.top_k], ids[:m], weights[:m]
 
-    def _mega_shared(self, step: Step, dtype: str, x, rows, m: int):
-        """The shared expert's rows of a mega call: the kernel's output
-        ``rows`` (bucket-sized) when the variant computes it."""
-        if not self.shape.shared_experts:
-            return None
-        if computes_shared(self.buckets[("mega", dtype)][step.bucket][step.finalize]):
-            return rows[:m]
-        return self.shared_expert(x)
-
 
 def computes_shared(variant) -> bool:
     """Whether ``variant`` writes the shared expert's rows (``shared_out``)."""
@@ -245,9 +236,3 @@ def fillable(variant, tensors: dict) -> list[str]:
         if (kind == "i32" and name not in SCALARS) or (kind == "pointer" and name not in known):
             missing.append(f"{name} ({kind})")
     return missing
-
-
-def _expert(tensors: dict, prefix: str):
-    from runtime.layout import ExpertWeights
-
-    return ExpertWeights(*(tensors[prefix + n] for n in ("13", "13_scale", "2", "2_scale")))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-MAX_TOKENS = 64
+from runtime.constants import MAX_TOKENS
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The torch reference of design/semantics.md, on CPU or GPU.
+"""The torch reference of docs/semantics.md, on CPU or GPU.
 
 Every step the kernels take, written plainly: routing, FP8 activation
 quantization, GEMM1 with block scales, clamped SwiGLU, FP8 hidden
@@ -7,8 +7,8 @@ accumulation precision (``torch.float32`` or ``torch.float64``).
 
 Both FP8 quantizations reproduce the kernels' values bit for bit: the scale is
 ``amax / 448`` (IEEE division), activations are multiplied by the correctly
-rounded reciprocal of their scale (as the seed kernels do; semantics.md
-writes ``x / sx``, and the seeds' code wins), hidden values are divided by
+rounded reciprocal of their scale (as the kernels do:
+``kernels.moe_common.quantize_activations``), hidden values are divided by
 theirs, both are clamped to +-448 and cast with round-to-nearest-even (the
 PTX ``cvt.rn.satfinite.e4m3x2.f32`` of the kernels). So the activation FP8
 values are exact, and kernel-vs-reference differences come from accumulation
@@ -23,8 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.constants import FP8_MAX, TILE
 from runtime.layout import CheckpointWeights, ExpertWeights, logical_rows, swap_halves
-from runtime.model import FP8_MAX, TILE, MoEShape
+from runtime.model import MoEShape
 
 FP8 = torch.float8_e4m3fn
 SCALE_FLOOR = 1e-10  # amax floor of both quantizations

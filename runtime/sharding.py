@@ -15,8 +15,9 @@ from dataclasses import replace
 
 import torch
 
+from runtime.constants import TILE
 from runtime.layout import CheckpointWeights
-from runtime.model import TILE, MoEShape
+from runtime.model import MoEShape
 
 
 def shard_shape(shape: MoEShape, shards: int) -> MoEShape:

@@ -14,7 +14,9 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-TILE = 128
+from runtime.constants import TILE
+
+#: Bytes of one encoded CUtensorMap.
 MAP_BYTES = 128
 
 

@@ -4,8 +4,8 @@ A kernel's workspace (the grouped kernel's token plan, hidden blocks, FC1
 partials and parity counters) is read and written by every call, so two
 streams running at once must never share one: each (device, stream) gets its
 own. Calls on one stream run one after another, so variants of one kernel that
-declare the same record (name, bytes, zero) share that buffer there, as the
-seeds share one set per device; a record that differs gets its own buffer.
+declare the same record (name, bytes, zero) share that buffer there; a
+record that differs gets its own buffer.
 
 Buffers come from ``cuMemAlloc`` outside torch's allocator and outside any
 graph capture in flight, and buffers with ``zero`` are zero-filled exactly once

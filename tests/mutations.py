@@ -115,6 +115,30 @@ MUTATIONS = (
         "None",
         ("tests/test_runtime_devices.py::test_a_captured_graph_keeps_its_layer_alive",),
     ),
+    Mutation(
+        "mega-cluster-role-off-by-one", "kernels/mega_plan.py",
+        'route = group if plan.order == "shared_last" else routes - 1 - group',
+        'route = group if plan.order == "shared_last" else routes - group',
+        ("tests/test_mega_plan.py::test_every_cluster_is_one_route_or_one_shared_expert",),
+    ),
+    Mutation(
+        "mega-gemm1-box-ignores-k-part", "kernels/mega_plan.py",
+        "expert * plan.nk1 + part * plan.blocks1 + n",
+        "expert * plan.nk1 + n",
+        ("tests/test_mega_plan.py::test_a_cluster_streams_each_weight_box_of_its_expert_once",),
+    ),
+    Mutation(
+        "mega-b-chunk-unswizzled", "kernels/mega_plan.py",
+        "(chunk ^ (row % 8)) * 16",
+        "chunk * 16",
+        ("tests/test_mega_plan.py::test_b_tile_chunks_are_a_128_byte_swizzle",),
+    ),
+    Mutation(
+        "mega-routed-only-variant-served", "runtime/moe.py",
+        "            if routed_only:\n",
+        "            if False:\n",
+        ("tests/test_runtime_layer.py::test_mega_variants_without_shared_are_refused",),
+    ),
 )  # fmt: skip
 
 

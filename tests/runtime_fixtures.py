@@ -10,6 +10,7 @@ from pathlib import Path
 
 import zstandard
 
+from kernels import abi
 from runtime.artifact import canonical_json
 
 #: A small MoE shard the CPU tests can afford (the layout rules of glm5).
@@ -18,8 +19,7 @@ SMALL_MODEL = {
     "swiglu_limit": 10.0, "ue8m0": False, "shared_experts": 1,
 }  # fmt: skip
 
-MEGA_PARAMS = ("maps", "w13_scale", "w2_scale", "x", "logits", "bias", "rows1", "rows2",
-               "out", "ids", "weights")  # fmt: skip
+MEGA_PARAMS, MEGA_MAPS = abi.MEGA_PARAMS, abi.MEGA_MAPS
 GROUPED_PARAMS = ("maps", "w13_scale", "w2_scale", "s13_scale", "s2_scale", "s13", "s2", "x",
                   "logits", "bias", "rows", "out", "shared_out", "final", "ids", "weights",
                   "plan_x", "plan_s", "hidden", "hscale", "partial", "counters")  # fmt: skip
@@ -49,8 +49,8 @@ def record(kernel: str, arch: str = "sm_90a", tokens: int = 1, dtype: str = "flo
         "cache_key": "0" * 64, "entry": f"moe_{kernel}_0",
         "params": [{"name": p, "kind": "pointer"}
                    for p in (GROUPED_PARAMS if grouped else MEGA_PARAMS)],
-        "tensor_maps": ["w13", "w2", "s13", "s2"] if grouped else ["w13", "w2"],
-        "launch": {"grid": [132, 1, 1] if grouped else [16 * tokens * 8, 1, 1],
+        "tensor_maps": ["w13", "w2", "s13", "s2"] if grouped else list(MEGA_MAPS),
+        "launch": {"grid": [132, 1, 1] if grouped else [16 * tokens * 9, 1, 1],
                    "block": [256, 1, 1], "cluster": None if grouped else [16, 1, 1],
                    "smem": 200000, "pdl": True},
         "resources": {"registers": 128, "local_bytes": 0, "stack_bytes": 0, "static_smem": 0,

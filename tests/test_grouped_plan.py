@@ -6,9 +6,10 @@ import itertools
 import random
 
 import pytest
+from grouped_layout import layout_problems
 
 from kernels import grouped_plan as gp
-from kernels.shapes import MAX_TOKENS, TILE
+from runtime.constants import MAX_TOKENS, SMEM_LIMIT, TILE
 
 GLM5 = dict(hidden=4096, inter=512, experts=288, top_k=8)
 
@@ -348,7 +349,7 @@ def test_partial_workspace_holds_every_published_partial(hidden, inter, experts,
     declared bytes cover the highest slot any unit count can write, found by
     enumerating every CTA's pieces."""
     declared = {w.name: w for w in gp.workspaces(hidden, inter, experts, top_k, grid)}
-    p = gp.GroupedPlan(hidden, inter, experts, top_k, gp.MAX_TOKENS, grid)
+    p = gp.GroupedPlan(hidden, inter, experts, top_k, MAX_TOKENS, grid)
     need, split_published = 0, False
     for units in unit_counts(p):
         for cta in range(grid):
@@ -364,29 +365,38 @@ def test_partial_workspace_holds_every_published_partial(hidden, inter, experts,
     assert split_published == (grid > 1 and max(unit_counts(p)) > gp.SPLIT_UNITS)
 
 
-@pytest.mark.parametrize("arch,grid,slots", [("sm_90a", 132, 0), ("sm_100a", 148, 4)])
-@pytest.mark.parametrize("tokens", [8, 16, 32, 48, 64])
-def test_smem_layout(arch, grid, slots, tokens):
-    p = plan(tokens=tokens, grid=grid)
-    layout = gp.fit_layout(p, arch, gatherers=3, slots=slots)
-    assert gp.MIN_STAGES <= layout.stages <= gp.MAX_STAGES
-    assert layout.total <= gp.SMEM_LIMIT[arch]
-    if layout.stages < gp.MAX_STAGES:
-        deeper = gp.smem_layout(p, layout.stages + 1, 3, slots)
-        assert deeper.total > gp.SMEM_LIMIT[arch]
-    regions = layout.regions()
-    assert layout.off_w % 1024 == 0 and layout.off_b % 1024 == 0 and layout.off_bar % 8 == 0
-    sizes = dict(
-        w=layout.stages * layout.a_bytes, b=layout.stages * layout.b_bytes,
-        ring=layout.ring * gp.DEPTH * gp.GROUP * 4, picks=p.routes * 4,
-        mask=p.experts * 8, flat=(p.routes + p.tokens) * 4, bar=layout.bars * 8,
-    )  # fmt: skip
-    for name, offset, size in regions:
-        assert offset % 16 == 0 or name == "bar"
-        if name in sizes:
-            assert size >= sizes[name], name
-    assert [o for _, o, _ in regions] == sorted(o for _, o, _ in regions)
-    assert layout.a_bytes == gp.DEPTH * TILE * TILE
+@pytest.mark.parametrize("gatherers,slots", [(1, 0), (3, 0), (2, 4), (2, 16), (4, 32)])
+@pytest.mark.parametrize("tokens", [1, 8, 17, 48, 64])
+def test_fit_layout_keeps_the_device_contract(gatherers, slots, tokens):
+    """The builder for any gatherer and slot counts (the kernels' own layouts
+    are checked in test_grouped_sm100.py and test_grouped_sm90_compile.py):
+    the deepest stage count in MIN_STAGES..MAX_STAGES that fits the limit,
+    every region as large and aligned as its users need, none overlapping
+    (``grouped_layout``)."""
+    p = plan(tokens=tokens)
+    for arch, limit in SMEM_LIMIT.items():
+        layout = gp.fit_layout(p, arch, gatherers=gatherers, slots=slots)
+        assert (layout.gatherers, layout.slots) == (gatherers, slots)
+        assert gp.MIN_STAGES <= layout.stages <= gp.MAX_STAGES
+        assert not layout_problems(layout, p, limit), layout_problems(layout, p, limit)
+        if layout.stages < gp.MAX_STAGES:
+            assert gp.smem_layout(p, layout.stages + 1, gatherers, slots).total > limit
+
+
+def test_layout_contract_catches_a_short_region():
+    """The contract check itself: a region placed over the last barrier, a
+    ring one stage too shallow and a total over the limit are reported."""
+    import dataclasses
+
+    p = plan(tokens=64)
+    layout = gp.fit_layout(p, "sm_100a", gatherers=2, slots=16)
+    limit = SMEM_LIMIT["sm_100a"]
+    assert not layout_problems(layout, p, limit)
+    over = dataclasses.replace(layout, off_tmem=layout.off_bar + (layout.bars - 1) * 8)
+    assert any("tmem" in r and "overlaps" in r for r in layout_problems(over, p, limit))
+    shallow = dataclasses.replace(layout, ring=layout.stages + layout.slots)
+    assert any(r.startswith("ring") for r in layout_problems(shallow, p, limit))
+    assert any("exceeds" in r for r in layout_problems(layout, p, layout.total - 1))
 
 
 def test_plan_refuses_unservable_shapes():
@@ -406,5 +416,5 @@ def test_shape_rules_name_the_plan_limits(monkeypatch):
     reasons = unsupported("grouped", "sm_90a", 4096, 384, 100, 8, 64)
     assert any("inter 384" in r for r in reasons) and any("experts 100" in r for r in reasons)
     # A target whose shared memory cannot hold the smallest ring.
-    monkeypatch.setitem(gp.SMEM_LIMIT, "sm_90a", 100 * 1024)
+    monkeypatch.setitem(SMEM_LIMIT, "sm_90a", 100 * 1024)
     assert any("shared memory" in r for r in unsupported("grouped", "sm_90a", 4096, 512, 288, 8, 8))

@@ -1,9 +1,11 @@
-"""The sm_100a grouped kernel: its layout and TMEM/warp constants (no
-compiler) and, marked ``compile``, a representative set of glm5 grouped
-buckets built for sm_100a with their SASS read back.
+"""The sm_100a grouped kernel: the shared-memory layout, TMEM use, warp
+roles and ABI it builds, checked against the contracts its docstrings and
+the device code state (no compiler) and, marked ``compile``, a
+representative set of glm5 grouped buckets built for sm_100a with their SASS
+read back.
 
 There is no Blackwell GPU here: these tests show the kernel builds into the
-instructions the seed's design needs (tcgen05 FP8 UMMA, TMA, TMEM loads,
+instructions the kernel's design needs (tcgen05 FP8 UMMA, TMA, TMEM loads,
 cp.async gathers) within one SM's resources; they cannot show it computes
 the right numbers. The plan formulas themselves are tested in
 ``test_grouped_plan.py``.
@@ -11,16 +13,21 @@ the right numbers. The plan formulas themselves are tested in
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import pytest
+from grouped_layout import layout_problems
 from sass_tools import compile_specs, count, cuobjdump, glm5_specs, resources, sass_counts
+
+from runtime.constants import SMEM_LIMIT, SMEM_OPTIN, TILE
 
 pytest.importorskip("cutlass")  # the kernel modules are device code
 
 from kernels import grouped_moe_sm100 as grouped  # noqa: E402
 from kernels import grouped_plan as gp  # noqa: E402
-from kernels.grouped_common import THREADS  # noqa: E402
+from kernels import spec as kernel_spec  # noqa: E402
+from kernels.grouped_common import EPILOGUE_THREADS, THREADS  # noqa: E402
 from kernels.ptx import tcgen05 as tc  # noqa: E402
 from kernels.spec import PARAMETER_NAMES, KernelSpec  # noqa: E402
 
@@ -42,60 +49,82 @@ def plan(tokens: int) -> gp.GroupedPlan:
 # -- host side -------------------------------------------------------------------------------
 
 
+def kernel(tokens: int) -> grouped.GroupedKernel:
+    """The kernel object a build of this bucket compiles (no compile)."""
+    return grouped.GroupedKernel(spec(tokens))
+
+
 @pytest.mark.parametrize("tokens", BUCKETS)
-def test_layout_is_the_deepest_that_fits(tokens):
-    lay = grouped.layout_of(plan(tokens))
-    limit = gp.SMEM_LIMIT["sm_100a"]
-    assert lay.total <= limit
+def test_the_layout_the_kernel_builds_keeps_the_device_contract(tokens):
+    """The kernel's own layout (its gatherers and accumulator slots) fits
+    sm_100a's limit, at the deepest stage count that does, with every region
+    as large and aligned as the device code needs and none overlapping."""
+    k = kernel(tokens)
+    lay, p = k.layout, k.plan
+    assert (lay.gatherers, lay.slots) == (k.GATHERERS, k.slots)
+    assert lay == grouped.layout_of(p)  # what compile_kernel records
+    limit = SMEM_LIMIT["sm_100a"]
+    assert not layout_problems(lay, p, limit), layout_problems(lay, p, limit)
     assert gp.MIN_STAGES <= lay.stages <= gp.MAX_STAGES
     if lay.stages < gp.MAX_STAGES:
-        deeper = gp.smem_layout(plan(tokens), lay.stages + 1, grouped.GATHERERS, grouped.SLOTS)
-        assert deeper.total > limit
-    assert lay.slots == grouped.SLOTS and lay.gatherers == grouped.GATHERERS
-    # The scale ring and stage words outlive a stage by up to stages + slots.
-    assert lay.ring > lay.stages + lay.slots and lay.posts > lay.stages + lay.slots
-    for name, start, _ in lay.regions():
-        if name in ("w", "b"):
-            assert start % 1024 == 0  # 128B-swizzle atoms of UMMA operands
-    assert lay.a_bytes % 1024 == 0 and lay.b_bytes % 1024 == 0
+        assert gp.smem_layout(p, lay.stages + 1, lay.gatherers, lay.slots).total > limit
 
 
 def test_stage_counts_of_the_glm5_buckets():
     # 36 KiB a stage (32 KiB of weights, 4 KiB of tokens): the seed's layout
     # keeps at least 5 stages in flight at every bucket (the unit tables grow
     # with the tokens, so smaller buckets may hold more).
-    stages = [grouped.layout_of(plan(m)).stages for m in BUCKETS]
+    stages = [kernel(m).layout.stages for m in BUCKETS]
     assert stages == sorted(stages, reverse=True), stages
     assert min(stages) >= 5, stages
 
 
-def test_tmem_and_warp_roles():
-    assert grouped.COLUMNS == gp.DEPTH * gp.GROUP == 32
-    assert grouped.SLOTS * grouped.COLUMNS <= grouped.TMEM_COLUMNS <= tc.TMEM_MAX_COLUMNS
-    assert grouped.SLOTS == 16
-    # Warps: producer, MMA, gatherers, then four epilogue warps whose warp % 4
-    # covers the four 32-lane TMEM quadrants (thread e reads lane e).
+def test_accumulators_fit_the_tmem_allocation():
+    """Each stage's DEPTH K blocks get GROUP columns each (N = GROUP), the
+    slots rotate through one allocation, which is a legal one (a power of two
+    in 32..512) and, one CTA per SM, all of TMEM; as many slots as it holds,
+    at most the seed's 32."""
+    assert grouped.COLUMNS == gp.DEPTH * gp.GROUP
+    columns = grouped.TMEM_COLUMNS
+    assert columns == tc.TMEM_MAX_COLUMNS and columns & (columns - 1) == 0
+    assert grouped.SLOTS == min(32, columns // grouped.COLUMNS)
+    assert grouped.SLOTS * grouped.COLUMNS <= columns
+    assert kernel(64).slots == grouped.SLOTS
+
+
+def test_warp_roles_cover_the_tmem_lanes():
+    """Warps: the producer, the MMA warp, the gatherers, then the epilogue,
+    whose threads own one TMEM lane (weight row) each: as many as the UMMA's
+    M (one row tile), starting at a warp whose index % 4 is 0 (warp w may
+    read lanes 32 * (w % 4) onward)."""
     assert grouped.EPILOGUE == grouped.MMA_WARP + 1 + grouped.GATHERERS
     assert grouped.EPILOGUE % 4 == 0
-    assert THREADS == 32 * (grouped.EPILOGUE + 4) == 256
+    assert THREADS == 32 * grouped.EPILOGUE + EPILOGUE_THREADS
+    assert EPILOGUE_THREADS == tc.TMEM_LANES == TILE
+    # The UMMA instruction descriptor (tcgen05.instruction_desc_e4m3's field
+    # layout): M = one row tile, N = a unit's GROUP tokens, F32 accumulators,
+    # E4M3 A and B, both K-major.
     d = grouped.IDESC
-    assert ((d >> 17) & 0x3F) << 3 == gp.GROUP and ((d >> 24) & 0x1F) << 4 == 128
+    assert ((d >> 24) & 0x1F) << 4 == TILE and ((d >> 17) & 0x3F) << 3 == gp.GROUP
     assert (d >> 4) & 3 == 1 and (d >> 7) & 0x3F == 0 and (d >> 15) & 3 == 0
 
 
 def test_params_and_maps_follow_the_contract():
+    """The ABI order is the kernel's own parameter order, every name one the
+    runtime can fill (PARAMETER_NAMES), every workspace among them; the maps
+    are ones the runtime can build."""
+    signature = list(inspect.signature(grouped.GroupedKernel.kernel).parameters)[1:]
+    assert list(grouped.PARAMS) == signature
+    called = list(inspect.signature(grouped.GroupedKernel.__call__).parameters)[1:]
+    assert called == [*signature, "stream"]
     assert set(grouped.PARAMS) <= set(PARAMETER_NAMES)
-    assert grouped.PARAMS == (
-        "maps", "w13_scale", "w2_scale", "s13_scale", "s2_scale", "s13", "s2", "x", "logits",
-        "bias", "rows", "out", "shared_out", "final", "ids", "weights", "plan_x", "plan_s",
-        "hidden", "hscale", "partial", "counters",
-    )  # fmt: skip
-    assert grouped.TENSOR_MAPS == ("w13", "w2", "s13", "s2")
-    names = [w.name for w in grouped.workspaces(plan(64))]
-    assert names == ["plan_x", "plan_s", "hidden", "hscale", "partial", "counters"]
-    assert [w.name for w in grouped.workspaces(plan(64)) if w.zero] == ["counters"]
+    workspaces = grouped.workspaces(plan(64))
+    assert {w.name for w in workspaces} <= set(grouped.PARAMS)
+    assert all(w.zero == (w.name == "counters") for w in workspaces)
+    assert set(grouped.TENSOR_MAPS) <= set(kernel_spec.TENSOR_MAPS)
+    assert len(set(grouped.TENSOR_MAPS)) == len(grouped.TENSOR_MAPS)
     # One set of workspaces serves every bucket of the model.
-    assert grouped.workspaces(plan(8)) == grouped.workspaces(plan(64))
+    assert all(grouped.workspaces(plan(m)) == workspaces for m in BUCKETS)
 
 
 def test_spec_mismatch_is_refused():
@@ -141,14 +170,17 @@ def test_representative_glm5_grouped_buckets_build_for_sm100a(tmp_path):
         assert res["LOCAL"] == 0 and res["STACK"] == 0, res
         # One CTA per SM: registers and shared memory of the whole SM.
         assert res["REG"] * THREADS <= REGISTERS_PER_SM, res
-        assert r["smem"] + res["SHARED"] <= gp.SMEM_OPTIN["sm_100a"]
-        assert r["smem"] <= gp.SMEM_LIMIT["sm_100a"]
+        assert r["smem"] + res["SHARED"] <= SMEM_OPTIN["sm_100a"]
+        assert r["smem"] <= SMEM_LIMIT["sm_100a"]
+        assert r["notes"]["smem_limit"] == SMEM_LIMIT["sm_100a"]
         # Launch shape and ABI.
-        assert r["entry"] == "moe_grouped_sm100_0"
+        assert r["entry"] == f"{grouped.ENTRY_PREFIX}_0"
         assert r["grid"] == [r["sms"], 1, 1] and r["cluster"] is None
         assert r["block"] == [THREADS, 1, 1] and r["pdl"] is True
         assert r["params"] == [[name, "pointer"] for name in grouped.PARAMS]
-        assert r["maps"] == ["w13", "w2", "s13", "s2"]
+        assert r["maps"] == list(grouped.TENSOR_MAPS)
         want = grouped.workspaces(plan(r["tokens"]))
         assert r["workspace"] == [[w.name, w.bytes, w.zero] for w in want]
-        assert r["smem"] == grouped.layout_of(plan(r["tokens"])).total
+        lay = grouped.layout_of(plan(r["tokens"]))
+        assert r["smem"] == lay.total and r["notes"]["stages"] == lay.stages
+        assert r["notes"]["smem_layout"] == {n: [o, s] for n, o, s in lay.regions()}

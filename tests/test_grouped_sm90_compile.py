@@ -2,7 +2,8 @@
 a representative set of glm5 grouped variants (both ends of the buckets,
 both logits dtypes, finalize off and on, UE8M0 on) compiled in a fresh sm_90a
 process, their launch records checked against the plan and their SASS read
-back: FP8 wgmma (QGMMA), TMA loads, cp.async gathers, no local memory.
+back: FP8 wgmma (QGMMA), TMA loads, cp.async gathers, no local memory. And,
+unmarked, the shared-memory layout the kernel builds at every bucket.
 
 What the kernel computes is checked on the H200 (``test_grouped_sm90_gpu.py``).
 """
@@ -13,10 +14,14 @@ import dataclasses
 import re
 
 import pytest
+from grouped_layout import layout_problems
 from sass_tools import compile_specs, count, cuobjdump, resources, sass_counts
+
+from runtime.constants import SMEM_LIMIT, SMEM_OPTIN
 
 pytest.importorskip("cutlass")  # kernels.grouped_common is device code
 
+from kernels import grouped_moe_sm90 as grouped  # noqa: E402
 from kernels import grouped_plan as gp  # noqa: E402
 from kernels.grouped_common import THREADS  # noqa: E402
 from kernels.spec import PARAMETER_NAMES, KernelSpec  # noqa: E402
@@ -42,6 +47,21 @@ SPECS = [
     spec(64, "bfloat16"),
     spec(64, finalize=True),
 ]
+
+
+@pytest.mark.parametrize("tokens", [8, 16, 32, 48, 64])
+def test_the_layout_the_kernel_builds_keeps_the_device_contract(tokens):
+    """The kernel's own layout (its gatherers, no accumulator slots: the MMA
+    warpgroup is the epilogue) fits sm_90a's limit at the deepest stage count
+    that does, every region as large and aligned as the device code needs."""
+    k = grouped.GroupedMoeSm90(spec(tokens))
+    lay, p = k.layout, k.plan
+    assert (lay.gatherers, lay.slots) == (grouped.GATHERERS, 0)
+    limit = SMEM_LIMIT["sm_90a"]
+    assert not layout_problems(lay, p, limit), layout_problems(lay, p, limit)
+    assert gp.MIN_STAGES <= lay.stages <= gp.MAX_STAGES
+    if lay.stages < gp.MAX_STAGES:
+        assert gp.smem_layout(p, lay.stages + 1, lay.gatherers, lay.slots).total > limit
 
 
 @pytest.fixture(scope="module")
@@ -74,23 +94,22 @@ def test_variants_build_into_wgmma_tma_and_no_local_memory(built):
         assert res["LOCAL"] == 0 and res["STACK"] == 0, res
         # One CTA per SM, all resident: registers and shared memory fit.
         assert res["REG"] * THREADS <= REGISTERS_PER_SM, res
-        assert r["smem"] <= gp.SMEM_LIMIT["sm_90a"]
-        assert r["smem"] + res["SHARED"] <= gp.SMEM_OPTIN["sm_90a"]
+        assert r["smem"] <= SMEM_LIMIT["sm_90a"]
+        assert r["smem"] + res["SHARED"] <= SMEM_OPTIN["sm_90a"]
 
 
 @pytest.mark.compile
 def test_launch_records_follow_the_plan(built):
     out, records = built
     for i, (s, r) in enumerate(zip(SPECS, records, strict=True)):
-        plan = gp.GroupedPlan.from_spec(s)
-        layout = gp.fit_layout(plan, "sm_90a", gatherers=3)
+        layout = grouped.GroupedMoeSm90(s).layout
         assert r["entry"] == "moe_grouped_sm90_0"
         assert [p for p, _ in r["params"]] == list(GRID_PARAMS)
         assert all(kind == "pointer" and p in PARAMETER_NAMES for p, kind in r["params"])
         assert r["grid"] == [SMS, 1, 1] and r["block"] == [THREADS, 1, 1]
         assert r["cluster"] is None and r["pdl"] is True
         assert r["smem"] == layout.total and r["notes"]["stages"] == layout.stages >= 4
-        assert r["maps"] == ["w13", "w2", "s13", "s2"]
+        assert r["maps"] == list(grouped.TENSOR_MAPS)
         want = gp.workspaces(s.hidden, s.inter, s.experts, s.top_k, SMS)
         assert r["workspace"] == [[w.name, w.bytes, w.zero] for w in want]
         # Every parameter is one 8-byte pointer in the PTX entry.

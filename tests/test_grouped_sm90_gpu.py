@@ -12,11 +12,11 @@ than 40 units split the lists into halves A and B), outputs NaN-poisoned
 before every launch; calls back to back across buckets (the parity counters
 are shared by every bucket); 1000 CUDA-graph replays with changing inputs.
 
-Tolerance: relative L2 error 1e-2 (design/semantics.md's bar) against the
+Tolerance: relative L2 error 1e-2 (docs/semantics.md's bar) against the
 float32 reference computed on the kernel's own expert choice (it agrees with
 the float64 one to ~1e-7; ``moe-build bench`` reports the float64 error) (the reference quantizes both activations and
 hidden values the same way; what remains is accumulation order and the
-hidden FP8 rounding that follows from it, design/semantics.md).
+hidden FP8 rounding that follows from it, docs/semantics.md).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 pytestmark = pytest.mark.gpu
 
-TOL = 1e-2  # relative L2 error against the reference (design/semantics.md's bar)
+TOL = 1e-2  # relative L2 error against the reference (docs/semantics.md's bar)
 TIE = 1e-6  # keys closer than this may be ordered differently (approximate sigmoid)
 DTYPES = ("float32", "bfloat16")
 

@@ -88,7 +88,8 @@ def test_source_hashes_cover_the_package_and_an_outside_module(tmp_path, monkeyp
     package = {p.relative_to(registry.KERNELS_DIR.parent).as_posix()
                for p in registry.KERNELS_DIR.rglob("*.py") if "__pycache__" not in p.parts}  # fmt: skip
     assert {"kernels/ptx/fmath.py", "kernels/ptx/mbarrier.py", "kernels/spec.py"} <= package
-    assert set(first) == package | {"cache_probe_kernel.py"}
+    # kernels.spec reads runtime.constants: the one file outside both it reaches.
+    assert set(first) == package | {"cache_probe_kernel.py", "runtime/constants.py"}
     spec_bytes = (registry.KERNELS_DIR / "spec.py").read_bytes()
     assert first["kernels/spec.py"] == hashlib.sha256(spec_bytes).hexdigest()
     module.write_text("from kernels.spec import KernelSpec\n# edited\n")
@@ -132,6 +133,31 @@ def test_editing_a_ptx_helper_changes_every_kernel_key(tmp_path, monkeypatch):
     after = {t: cache_key(SPEC, source_hashes(*t), TOOLS) for t in registry.MODULES}
     for target in registry.MODULES:
         assert after[target] != before[target], target
+
+
+def test_editing_a_shared_constant_changes_every_kernel_key(tmp_path, monkeypatch):
+    """The kernels read TILE, MAX_TOKENS and the shared-memory limits from
+    ``runtime.constants`` (outside ``kernels/``): an edit there must give every
+    kernel a new key, while runtime modules no kernel imports stay out of it."""
+    import shutil
+
+    root = tmp_path / "checkout"
+    shutil.copytree(registry.KERNELS_DIR, root / "kernels",
+                    ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
+    (root / "runtime").mkdir()
+    for name in ("__init__.py", "constants.py", "model.py"):
+        shutil.copy(registry.KERNELS_DIR.parent / "runtime" / name, root / "runtime" / name)
+    monkeypatch.setattr(registry, "KERNELS_DIR", root / "kernels")
+    constants = root / "runtime" / "constants.py"
+    text = constants.read_text()
+    assert "SMEM_RESERVED = 1024\n" in text
+    before = {t: source_hashes(*t) for t in registry.MODULES}
+    for target, sources in before.items():
+        assert "runtime/constants.py" in sources and "runtime/model.py" not in sources, target
+    constants.write_text(text.replace("SMEM_RESERVED = 1024\n", "SMEM_RESERVED = 2048\n"))
+    for target in registry.MODULES:
+        after = cache_key(SPEC, source_hashes(*target), TOOLS)
+        assert after != cache_key(SPEC, before[target], TOOLS), target
 
 
 def test_keys_ignore_output_jobs_shard_and_order(tmp_path, stub_env):

@@ -1,6 +1,5 @@
 """runtime.moe on the CPU: dispatch, padding, cropping, the shared expert (the
-mega kernel's, or the torch fallback for mega variants without it) and the
-layer's finalize, with the kernel launch replaced by a stand-in that writes
+mega kernel's; mega variants without it are refused) and the layer's finalize, with the kernel launch replaced by a stand-in that writes
 simple functions of its inputs (``tags``), so every output the layer returns
 is checked against an expectation computed from the caller's inputs (the GPU
 tests launch the real cubins)."""
@@ -12,37 +11,34 @@ import runtime_fixtures as fx
 import seeding
 import torch
 
+from kernels import abi
 from runtime.artifact import Launch, Variant, WorkspaceNeed
-from runtime.errors import InputError
+from runtime.errors import ArtifactError, InputError
 from runtime.inputs import check_weights
 from runtime.layout import random_moe_weights
 from runtime.model import MoEShape
 from runtime.moe import MoELayer, combine, computes_shared
 from runtime.reference import (
-    expert_forward,
     finalize,
-    quantize_activations,
     rel_l2,
 )
-from runtime.shared_expert import SharedExpert
 
 SHAPE = MoEShape(**fx.SMALL_MODEL)
 CPU = torch.device("cpu")
 
 
-#: The sm_90a mega kernel's ABI with the shared expert (kernels/mega_moe_sm90.py).
-MEGA_SHARED = {
-    "params": [{"name": p, "kind": "pointer"}
-               for p in ("maps", "w13_scale", "w2_scale", "s13_scale", "s2_scale", "x", "logits",
-                         "bias", "rows1", "rows2", "out", "shared_out", "ids", "weights")],
-    "tensor_maps": ["w13", "w2", "s13", "s2"],
-}  # fmt: skip
+#: The mega kernel's routed-only ABI (kernels/abi.py); fx.record's default
+#: is the ABI with the shared expert.
+MEGA_ROUTED = {
+    "params": [{"name": p, "kind": "pointer"} for p in abi.MEGA_ROUTED_PARAMS],
+    "tensor_maps": list(abi.MEGA_ROUTED_MAPS),
+}
 
 
 def _variant(kernel, tokens, dtype, finalize=False, shared=True):
     """A variant record; mega ones with the shared expert unless ``shared``
     is False (the older routed-only ABI)."""
-    extra = MEGA_SHARED if kernel == "mega" and shared else {}
+    extra = MEGA_ROUTED if kernel == "mega" and not shared else {}
     rec = fx.record(kernel, tokens=tokens, dtype=dtype, finalize=finalize, **extra)
     return Variant(
         name=rec["name"], kernel=kernel, arch="sm_90a", tokens=tokens, logits_dtype=dtype,
@@ -207,7 +203,6 @@ def test_unwritten_outputs_show_as_nan(weights):
 def test_layer_without_mega_or_bf16_variants(weights):
     only = [v for v in GLM5_LIKE if v.kernel == "grouped" and v.logits_dtype == "float32"]
     layer = _layer(weights, variants=only)
-    assert layer.shared_expert is None
     x, logits, bias = _inputs(2)
     final = layer(x, logits, bias)
     assert layer.calls[-1][0] == "grouped-sm_90a-m8-float32-final" and final.shape[0] == 2
@@ -222,7 +217,6 @@ def test_mega_path_takes_the_kernels_shared_rows(weights):
     """A mega variant with ``shared_out``: the layer adds the kernel's rows
     (left unwritten, they poison the output) and needs no torch expert."""
     layer = _layer(weights, poison=True, skip=("shared_out",))
-    assert layer.shared_expert is None
     for m in (1, 3):
         assert layer(*_inputs(m)).isnan().all()
         out, ids, w, shared = layer.mega(*_inputs(m), shared=True)
@@ -236,23 +230,18 @@ def test_mega_path_takes_the_kernels_shared_rows(weights):
     assert len(layer.mega(x, logits, bias)) == 3
 
 
-def test_mega_variants_without_shared_fall_back_to_torch(weights):
-    """Routed-only mega variants (older ABI): the torch shared expert fills
-    in, for the layer and for ``mega(shared=True)``: the kernel's routes
-    plus the shared expert of the reference (float64), within BF16 roundings."""
+def test_mega_variants_without_shared_are_refused(weights):
+    """Routed-only mega variants (the older ABI) for a model with a shared
+    expert: no layer call may run an expert in torch, so bind refuses them,
+    naming them; for a model without a shared expert they are what serves."""
     old = [_variant("mega", m, d, shared=False) for m in (1, 2, 3, 4)
            for d in ("float32", "bfloat16")] + GLM5_LIKE[8:]  # fmt: skip
     assert not any(computes_shared(v) for v in old[:8])
-    layer = _layer(weights, variants=old, poison=True)
-    assert layer.shared_expert is not None
-    for m in (1, 2, 4):
-        x, logits, bias = _inputs(m, g=seeding.generator(f"{seeding.current_test()}:{m}"))
-        xq, sx = quantize_activations(x, SHAPE.ue8m0)
-        expert = expert_forward(xq, sx, weights.shared, 0, SHAPE.swiglu_limit, torch.float64).y
-        routed = tags(x, logits, SHAPE.top_k)["routed"]
-        assert rel_l2(layer(x, logits, bias), routed + expert) < 4e-3, seeding.rerun_hint()
-        *_, shared = layer.mega(x, logits, bias, shared=True)
-        assert shared.dtype == torch.bfloat16 and rel_l2(shared, expert) < 4e-3
+    with pytest.raises(ArtifactError, match="mega-sm_90a-m1-float32.*without the shared expert"):
+        _layer(weights, variants=old)
+    mixed = [old[0], *GLM5_LIKE[1:]]
+    with pytest.raises(ArtifactError, match="mega-sm_90a-m1-float32"):
+        _layer(weights, variants=mixed)
 
 
 @pytest.mark.parametrize("with_shared", [True, False])
@@ -273,18 +262,6 @@ def test_combine_matches_finalize(with_shared):
     assert rel_l2(got, exact) < 4e-3
 
 
-def test_shared_expert_matches_reference(weights):
-    g = seeding.generator()
-    for ue8m0 in (False, True):
-        shape = MoEShape(**{**fx.SMALL_MODEL, "ue8m0": ue8m0})
-        x = (torch.randn(4, SHAPE.hidden, generator=g) * 3).to(torch.bfloat16)
-        got = SharedExpert(weights.shared, shape)(x)
-        xq, sx = quantize_activations(x, ue8m0)
-        ref = expert_forward(xq, sx, weights.shared, 0, shape.swiglu_limit, torch.float64).y
-        assert got.dtype == torch.bfloat16 and got.shape == (4, SHAPE.hidden)
-        assert rel_l2(got, ref) < 4e-3
-
-
 def test_custom_table_is_checked(weights):
     from runtime.plan import Step
 
@@ -292,7 +269,7 @@ def test_custom_table_is_checked(weights):
     layer = _layer(weights, table=table)
     layer(*_inputs(3))
     assert layer.calls[-1][0] == "grouped-sm_90a-m8-float32"
-    assert layer.shared_expert is None and layer.dtypes == ("float32",)
+    assert layer.dtypes == ("float32",)
     with pytest.raises(InputError, match=r"table\['float32'\]\[9\]: .* names no variant"):
         _layer(weights, table={"float32": {9: Step("grouped", 8)}})
     with pytest.raises(InputError, match="names no variant"):

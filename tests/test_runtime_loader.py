@@ -58,7 +58,7 @@ def test_runtime_never_imports_cutlass(tmp_path):
         import sys
         before = {{m for m in sys.modules if "cutlass" in m}}
         import runtime, runtime.loader, runtime.moe, runtime.launch, runtime.driver
-        import runtime.tensormap, runtime.workspace, runtime.shared_expert, runtime.inputs
+        import runtime.tensormap, runtime.workspace, runtime.graphs, runtime.inputs
         from runtime.artifact import read
         from runtime.plan import default_table
         data = read({str(root)!r})

@@ -107,10 +107,10 @@ def test_launch_configuration_on_blackwell(artifact, name, monkeypatch):
     attrs = _attributes(config)
     assert attrs["pdl"] == 1
     if variant.kernel == "mega":
-        # The seed's 16-CTA cluster per route: non-portable, so allowed explicitly.
+        # The sm_100a mega kernel's 16-CTA cluster per route: non-portable, so allowed explicitly.
         assert attrs["cluster"] == (16, 1, 1) == variant.launch.cluster
         assert fake.attributes["NON_PORTABLE_CLUSTER_SIZE_ALLOWED"] == 1
-        assert grid == (16 * 8, 1, 1)
+        assert grid == (16 * (8 + 1), 1, 1)  # 8 routes and the shared expert
         assert "cooperative" not in attrs
     else:
         # Its CTAs wait on each other: launched only with all of them resident.

@@ -4,8 +4,9 @@ per PTX instruction, grouped by instruction family.
 =================  ============================================================
 module             instructions
 =================  ============================================================
-``mbarrier``       mbarrier init / arrive / expect_tx / try_wait (CTA and
-                   cluster scope), ``fence.mbarrier_init``
+``mbarrier``       mbarrier init / arrive / arrive.expect_tx, spin waits
+                   (try_wait, test_wait; CTA scope or cluster acquire),
+                   ``cp.async`` arrive, ``fence.mbarrier_init``
 ``tma``            tensor-map acquire fence and prefetch, 3-D
                    ``cp.async.bulk.tensor`` loads and L2 prefetches, L2 evict-first
                    policy
@@ -15,10 +16,11 @@ module             instructions
                    to distributed shared memory
 ``fmath``          ``div.rn``, ``mul.rn``, ``ex2.approx``, ``rcp.approx``, max-abs
 ``convert``        FP32 -> e4m3 x4 / BF16 packing, BF16 unpacking, bit casts
-``memory``         global loads (``.nc``, acquire), stores (release), atomics,
-                   shared loads / stores
-``sync``           ``redux.sync`` u32, named barriers, proxy / acq_rel fences,
-                   ``griddepcontrol``, ``%globaltimer``, ``trap``
+``memory``         global loads (``.nc``, ``.cg``, weak, acquire), stores,
+                   release / relaxed atomics and reductions, ``cp.async``,
+                   shared loads / stores / ``red.or``
+``sync``           ``redux.sync`` u32, named barriers, proxy / ``acq_rel.gpu``
+                   fences, ``griddepcontrol.wait``, ``%globaltimer``, ``trap``
 ``tcgen05``        (sm_100a only; its own owner) TMEM, UMMA, commit
 =================  ============================================================
 
@@ -58,16 +60,12 @@ from .mbarrier import (  # noqa: F401
     fence_mbarrier_init,
     mbarrier_arrive,
     mbarrier_arrive_expect_tx,
-    mbarrier_arrive_remote,
-    mbarrier_expect_tx,
     mbarrier_init,
-    mbarrier_try_wait,
     mbarrier_wait,
     mbarrier_wait_cluster,
     mbarrier_wait_polling,
 )
 from .memory import (  # noqa: F401
-    atom_add_acq_rel_gpu_u32,
     atom_add_release_gpu_u32,
     atom_inc_relaxed_gpu_u32,
     cp_async_cg_16,
@@ -80,13 +78,9 @@ from .memory import (  # noqa: F401
     ld_global_nc_u16,
     ld_global_nc_u32,
     ld_global_nc_v4_u32,
-    ld_global_u32,
-    ld_global_v4_u32,
-    ld_relaxed_gpu_u32,
     ld_shared_f32,
     ld_shared_u32,
     ld_shared_v4_u32,
-    red_add_f32,
     red_add_release_gpu_u32,
     red_or_shared_u32,
     st_global_f32,
@@ -94,7 +88,6 @@ from .memory import (  # noqa: F401
     st_global_u16,
     st_global_u32,
     st_global_v4_u32,
-    st_release_gpu_u32,
     st_shared_f32,
     st_shared_u8,
     st_shared_u32,
@@ -103,11 +96,9 @@ from .memory import (  # noqa: F401
 from .sync import (  # noqa: F401
     bar_arrive,
     bar_sync,
-    fence_acq_rel_cluster,
     fence_acq_rel_gpu,
     fence_proxy_async_shared,
     globaltimer,
-    griddepcontrol_launch_dependents,
     griddepcontrol_wait,
     redux_max_u32,
     redux_min_u32,
@@ -120,5 +111,4 @@ from .tma import (  # noqa: F401
     tensormap_fence_acquire,
     tma_load_3d,
     tma_load_3d_hint,
-    tma_prefetch_3d,
 )

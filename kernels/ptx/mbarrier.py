@@ -8,7 +8,7 @@ returns once the phase with parity ``p`` has completed.
 
 from __future__ import annotations
 
-from cutlass import Boolean, Int32
+from cutlass import Int32
 from cutlass.cutlass_dsl import dsl_user_op
 
 from ._asm import asm
@@ -41,35 +41,6 @@ def mbarrier_arrive_expect_tx(bar: Int32, nbytes, *, loc=None, ip=None) -> None:
     ``nbytes`` of expected transaction bytes (TMA or st.async)."""
     asm("mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;", "", "rr", (bar, nbytes),
         memory=True, loc=loc, ip=ip)  # fmt: skip
-
-
-@dsl_user_op
-def mbarrier_expect_tx(bar: Int32, nbytes, *, loc=None, ip=None) -> None:
-    """``mbarrier.expect_tx.relaxed.cta.shared::cta.b64``: more expected bytes,
-    no arrival."""
-    asm("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [$0], $1;", "", "rr", (bar, nbytes),
-        memory=True, loc=loc, ip=ip)  # fmt: skip
-
-
-@dsl_user_op
-def mbarrier_arrive_remote(bar: Int32, *, loc=None, ip=None) -> None:
-    """``mbarrier.arrive.release.cluster.shared::cluster.b64`` on a barrier of
-    another CTA (``bar`` from ``mapa``): orders this thread's earlier writes
-    (DSMEM included) before the arrival."""
-    asm("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [$0];", "", "r", (bar,),
-        memory=True, loc=loc, ip=ip)  # fmt: skip
-
-
-@dsl_user_op
-def mbarrier_try_wait(bar: Int32, parity, *, loc=None, ip=None) -> Boolean:
-    """``mbarrier.try_wait.parity.shared::cta.b64`` (acquire, CTA scope) once;
-    True when the phase of ``parity`` has completed."""
-    done = asm(
-        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [$1], $2; "
-        "selp.b32 $0, 1, 0, p; }",
-        "r", "rr", (bar, parity), memory=True, loc=loc, ip=ip,
-    )  # fmt: skip
-    return done != 0
 
 
 @dsl_user_op

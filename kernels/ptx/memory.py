@@ -45,22 +45,9 @@ def ld_global_nc_v4_u32(addr: Int64, *, loc=None, ip=None) -> tuple:
 
 
 @dsl_user_op
-def ld_global_u32(addr: Int64, *, loc=None, ip=None) -> Uint32:
-    """``ld.global.b32`` (weak)."""
-    return asm("ld.global.b32 $0, [$1];", "u", "l", (addr,), memory=True, loc=loc, ip=ip)
-
-
-@dsl_user_op
 def ld_global_f32(addr: Int64, *, loc=None, ip=None) -> Float32:
     """``ld.global.f32`` (weak)."""
     return asm("ld.global.f32 $0, [$1];", "f", "l", (addr,), memory=True, loc=loc, ip=ip)
-
-
-@dsl_user_op
-def ld_global_v4_u32(addr: Int64, *, loc=None, ip=None) -> tuple:
-    """``ld.global.v4.b32`` (weak, 16-byte aligned)."""
-    return asm("ld.global.v4.b32 {$0, $1, $2, $3}, [$4];", "uuuu", "l", (addr,),
-               memory=True, loc=loc, ip=ip)  # fmt: skip
 
 
 @dsl_user_op
@@ -87,13 +74,6 @@ def ld_global_cg_v4_u32(addr: Int64, *, loc=None, ip=None) -> tuple:
 def ld_acquire_gpu_u32(addr: Int64, *, loc=None, ip=None) -> Uint32:
     """``ld.acquire.gpu.global.b32``."""
     return asm("ld.acquire.gpu.global.b32 $0, [$1];", "u", "l", (addr,), memory=True,
-               loc=loc, ip=ip)  # fmt: skip
-
-
-@dsl_user_op
-def ld_relaxed_gpu_u32(addr: Int64, *, loc=None, ip=None) -> Uint32:
-    """``ld.relaxed.gpu.global.b32`` (for polling; follow with an acquire fence)."""
-    return asm("ld.relaxed.gpu.global.b32 $0, [$1];", "u", "l", (addr,), memory=True,
                loc=loc, ip=ip)  # fmt: skip
 
 
@@ -131,23 +111,9 @@ def st_global_v4_u32(addr: Int64, v0, v1, v2, v3, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
-def st_release_gpu_u32(addr: Int64, value, *, loc=None, ip=None) -> None:
-    """``st.release.gpu.global.b32``."""
-    asm("st.release.gpu.global.b32 [$0], $1;", "", "lu", (addr, value), memory=True,
-        loc=loc, ip=ip)  # fmt: skip
-
-
-@dsl_user_op
 def atom_add_release_gpu_u32(addr: Int64, value, *, loc=None, ip=None) -> Uint32:
     """``atom.release.gpu.global.add.u32``: returns the old value."""
     return asm("atom.release.gpu.global.add.u32 $0, [$1], $2;", "u", "lu", (addr, value),
-               memory=True, loc=loc, ip=ip)  # fmt: skip
-
-
-@dsl_user_op
-def atom_add_acq_rel_gpu_u32(addr: Int64, value, *, loc=None, ip=None) -> Uint32:
-    """``atom.acq_rel.gpu.global.add.u32``: returns the old value."""
-    return asm("atom.acq_rel.gpu.global.add.u32 $0, [$1], $2;", "u", "lu", (addr, value),
                memory=True, loc=loc, ip=ip)  # fmt: skip
 
 
@@ -172,13 +138,6 @@ def cp_async_cg_16(dst: Int32, src: Int64, *, loc=None, ip=None) -> None:
     (L2 only) to shared, both 16-byte aligned; completes on an mbarrier with
     ``mbarrier.cp_async_mbarrier_arrive_noinc`` (or ``cp.async.wait_all``)."""
     asm("cp.async.cg.shared.global [$0], [$1], 16;", "", "rl", (dst, src), memory=True,
-        loc=loc, ip=ip)  # fmt: skip
-
-
-@dsl_user_op
-def red_add_f32(addr: Int64, value, *, loc=None, ip=None) -> None:
-    """``red.relaxed.gpu.global.add.f32``."""
-    asm("red.relaxed.gpu.global.add.f32 [$0], $1;", "", "lf", (addr, value), memory=True,
         loc=loc, ip=ip)  # fmt: skip
 
 

@@ -43,12 +43,6 @@ def fence_proxy_async_shared(*, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
-def fence_acq_rel_cluster(*, loc=None, ip=None) -> None:
-    """``fence.acq_rel.cluster``."""
-    asm("fence.acq_rel.cluster;", "", "", memory=True, loc=loc, ip=ip)
-
-
-@dsl_user_op
 def fence_acq_rel_gpu(*, loc=None, ip=None) -> None:
     """``fence.acq_rel.gpu``."""
     asm("fence.acq_rel.gpu;", "", "", memory=True, loc=loc, ip=ip)
@@ -60,12 +54,6 @@ def griddepcontrol_wait(*, loc=None, ip=None) -> None:
     (programmatic dependent launch) have completed and their writes are
     visible; a no-op without PDL. Read no input before it."""
     asm("griddepcontrol.wait;", "", "", memory=True, loc=loc, ip=ip)
-
-
-@dsl_user_op
-def griddepcontrol_launch_dependents(*, loc=None, ip=None) -> None:
-    """``griddepcontrol.launch_dependents``: lets the next PDL grid start."""
-    asm("griddepcontrol.launch_dependents;", "", "", memory=True, loc=loc, ip=ip)
 
 
 @dsl_user_op

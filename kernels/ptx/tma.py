@@ -63,11 +63,3 @@ def prefetch_l2_bulk(addr: Int64, nbytes, *, loc=None, ip=None) -> None:
     (a multiple of 16, 16-byte aligned) into L2, no completion to wait for."""
     asm("cp.async.bulk.prefetch.L2.global [$0], $1;", "", "lr", (addr, nbytes), memory=True,
         loc=loc, ip=ip)  # fmt: skip
-
-
-@dsl_user_op
-def tma_prefetch_3d(tmap: Int64, c0, c1, c2, *, loc=None, ip=None) -> None:
-    """``cp.async.bulk.prefetch.tensor.3d.L2.global.tile``: brings the box at
-    (c0, c1, c2) into L2 (no shared memory, no barrier)."""
-    asm("cp.async.bulk.prefetch.tensor.3d.L2.global.tile [$0, {$1, $2, $3}];", "", "lrrr",
-        (tmap, c0, c1, c2), memory=True, loc=loc, ip=ip)  # fmt: skip

@@ -6,7 +6,7 @@ random inputs, outputs NaN-poisoned before each launch; the layer entry for
 every M it serves; a CUDA graph of the layer replayed 1000 times with
 changing inputs; two streams at once; and the refusals that need a device.
 
-Tolerance: relative L2 error 1e-2 against the reference (design/semantics.md's
+Tolerance: relative L2 error 1e-2 against the reference (docs/semantics.md's
 bar), on the kernel's own expert choice where a near-tie let it pick
 differently. What remains between kernel and reference is accumulation order:
 the tensor cores' FP8 partial sums move a few hidden values across an FP8

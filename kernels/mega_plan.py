@@ -1,0 +1,328 @@
+"""Host-side statement of the mega kernel (pure Python: no cutlass, no torch).
+
+The mega kernel runs every (token, expert) route of M tokens (M = 1..4), and
+with a shared expert each token's shared expert, as one cluster of CTAs per
+route in one launch. A cluster streams its expert's weights once:
+
+* GEMM1 (W31 rows: I/128 up row tiles, then I/128 gate row tiles): CTA
+  ``rank`` owns row tile ``rank // split`` over K part ``rank % split``
+  (``blocks1`` = H/128/split K blocks). The parts of a row tile meet over
+  DSMEM, each gate tile hands its values to the matching up tile, and each
+  up tile's CTA turns its 128 values into one FP8 hidden K block (clamped
+  SwiGLU, one scale) that it sends to every CTA of the cluster.
+* GEMM2: CTA ``rank`` owns output rows ``rank * rows2 .. + rows2`` (``tiles2``
+  row tiles of 128) over all I/128 hidden K blocks.
+
+A CTA streams ``loads`` = blocks1 + tiles2 * I/128 weight stages (one 128 x
+128 FP8 box each, ``gemm1_box`` then ``gemm2_box``) through a ring of
+``stages``. The clusters of one launch are ordered by ``cluster_role``.
+
+Per architecture (``ARCH``): sm_90a runs 2I/128 CTAs a cluster, each over
+the whole K (warpgroup MMA, B tiles of 8 token rows: ``wgmma m64n8k32``);
+sm_100a runs the 16-CTA split of its UMMA N = 16 (8 row tiles x 2 K parts).
+The ring depth and CTAs per SM depend on the token bucket: every cluster of
+a call must be resident at once, and with fewer CTAs per SM each needs more
+bytes in flight (sm_90a, measured on the H200 with the cluster occupancy the
+driver reports: 15 8-CTA clusters resident at 1 CTA per SM, 30 at 2, 45 at 3;
+a call needs M * (top_k + 1) of them). ``docs/notes/mega-sm90.md`` has the
+measurements behind each choice.
+
+The formulas here are written once, for Python integers and for the DSL's
+integers alike (arithmetic and comparisons only; branches only on values
+fixed at compile time), so the CPU tests of this module exercise the code the
+cubins contain: the kernels call ``cluster_role``, ``gemm1_box``,
+``gemm2_box`` and ``b_chunk`` themselves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kernels.smem import Regions
+from runtime.constants import SMEM_LIMIT, TILE
+
+STAGE_BYTES = TILE * TILE  # one 128 x 128 FP8 weight box
+#: Cluster orders: which clusters of the grid run the shared experts. The
+#: first M ("shared_first": cluster g < M is token g's shared expert, the
+#: routes follow in order), or the last M, after the routes in order
+#: ("shared_last") or in reverse order ("shared_last_reversed").
+ORDERS = ("shared_first", "shared_last", "shared_last_reversed")
+MEGA_TOKENS = 4  # the largest bucket the mega kernel serves
+MAX_EXPERTS = 1024  # 32 candidates per lane of the routing warp
+MAX_TOP_K = 32  # lane k of the routing warp holds route k
+
+
+@dataclass(frozen=True)
+class MegaArch:
+    """What one architecture's mega kernel fixes: ``split`` CTAs per GEMM1
+    row tile (K parts), ``b_rows`` token rows of a B tile (the MMA's N),
+    ``cluster`` CTAs a cluster (None: one per GEMM1 row tile), per token
+    bucket ``stages`` = (ring depth, CTAs per SM) and the cluster ``order``,
+    and the accumulator limits of its MMA."""
+
+    arch: str
+    split: int
+    b_rows: int
+    cluster: int | None
+    stages: dict[int, tuple[int, int]]
+    order: dict[int, str]
+    #: sm_90a: GEMM1 K blocks per accumulator column set, and the range of
+    #: K blocks (a multiple of ``sets_of``) its registers hold.
+    sets_of: int = 0
+    k_blocks: tuple[int, int] = (0, 0)
+    #: sm_100a: TMEM columns (GEMM1's ``b_rows`` plus ``b_rows`` per GEMM2 row tile).
+    tmem_columns: int = 0
+
+
+ARCH = {
+    "sm_90a": MegaArch(
+        arch="sm_90a", split=1, b_rows=8, cluster=None,
+        stages={1: (10, 1), 2: (6, 2), 3: (6, 2), 4: (3, 3)},
+        order={1: "shared_last_reversed", 2: "shared_first", 3: "shared_first",
+               4: "shared_last_reversed"},
+        sets_of=16, k_blocks=(16, 64),
+    ),
+    "sm_100a": MegaArch(
+        arch="sm_100a", split=2, b_rows=16, cluster=16,
+        stages={m: (4, 2) for m in range(1, MEGA_TOKENS + 1)},
+        order={m: "shared_last" for m in range(1, MEGA_TOKENS + 1)},
+        tmem_columns=64,
+    ),
+}  # fmt: skip
+
+#: sm_90a GEMM1 B operand: 8 rotating tiles (tile b only ever holds a token
+#: K block in row b, so a refill needs no zeroing), refilled 4 K blocks at a time.
+B1_ROTATING = 8
+
+
+@dataclass(frozen=True)
+class MegaPlan:
+    """One mega variant's shapes, work split, ring and shared-memory layout
+    (``regions``: bytes from the 1024-aligned dynamic base)."""
+
+    arch: str
+    hidden: int
+    inter: int
+    experts: int
+    top_k: int
+    tokens: int
+    shared_experts: int
+    regions: Regions = field(compare=False, repr=False, default_factory=Regions)
+
+    @property
+    def config(self) -> MegaArch:
+        return ARCH[self.arch]
+
+    # Shapes --------------------------------------------------------------------------
+    @property
+    def nk1(self) -> int:  # GEMM1 K blocks (hidden / 128)
+        return self.hidden // TILE
+
+    @property
+    def nk2(self) -> int:  # GEMM2 K blocks = hidden blocks = up row tiles
+        return self.inter // TILE
+
+    @property
+    def tiles1(self) -> int:  # GEMM1 row tiles (up, then gate)
+        return 2 * self.inter // TILE
+
+    @property
+    def split(self) -> int:
+        return self.config.split
+
+    @property
+    def cluster(self) -> int:
+        return self.tiles1 * self.split
+
+    @property
+    def blocks1(self) -> int:  # GEMM1 K blocks of one CTA (its K part)
+        return self.nk1 // self.split
+
+    @property
+    def rows2(self) -> int:  # GEMM2 output rows of one CTA
+        return self.hidden // self.cluster
+
+    @property
+    def tiles2(self) -> int:
+        return self.rows2 // TILE
+
+    @property
+    def loads(self) -> int:  # weight stages one CTA streams
+        return self.blocks1 + self.tiles2 * self.nk2
+
+    # Clusters ------------------------------------------------------------------------
+    @property
+    def routes(self) -> int:
+        return self.tokens * self.top_k
+
+    @property
+    def shared(self) -> int:  # shared-expert clusters (one per token)
+        return self.tokens * self.shared_experts
+
+    @property
+    def groups(self) -> int:  # clusters of the grid
+        return self.routes + self.shared
+
+    @property
+    def grid(self) -> int:
+        return self.cluster * self.groups
+
+    @property
+    def order(self) -> str:
+        return self.config.order[self.tokens]
+
+    @property
+    def stages(self) -> int:
+        return self.config.stages[self.tokens][0]
+
+    @property
+    def ctas_per_sm(self) -> int:
+        return self.config.stages[self.tokens][1]
+
+    # Shared memory -------------------------------------------------------------------
+    @property
+    def b_bytes(self) -> int:  # one B tile: b_rows token rows of 128 K bytes
+        return self.config.b_rows * TILE
+
+    @property
+    def b1_tiles(self) -> int:
+        return B1_ROTATING if self.arch == "sm_90a" else self.blocks1
+
+    @property
+    def bars(self) -> int:
+        """mbarriers: full[stages], empty[stages], gate_in, hrecv; sm_100a
+        also acc1, b_ready, acc2[tiles2], pair and one spare."""
+        extra = 2 + self.tiles2 + 2 if self.arch == "sm_100a" else 0
+        return 2 * self.stages + 2 + extra
+
+    @property
+    def smem(self) -> int:
+        return self.regions.end
+
+    def offset(self, name: str) -> int:
+        return self.regions.offsets[name]
+
+    def __post_init__(self):
+        r = self.regions
+        r.take("stages", self.stages * STAGE_BYTES, 1024)
+        r.take("b1", self.b1_tiles * self.b_bytes, 1024)
+        r.take("b2", self.nk2 * self.b_bytes, 1024)
+        if self.split > 1:
+            r.take("partial", TILE * 4)  # the other K part's row sums
+        r.take("gate", TILE * 4)  # gate values in logical row order
+        r.take("stage", TILE)  # this up tile's FP8 hidden block
+        r.take("amax", 16)  # per-warp amax of the hidden block
+        r.take("hscale", 4 * self.nk2, 4)  # every hidden block's scale
+        r.take("xscale", 4 * self.blocks1, 4)  # the token's activation scales
+        r.take("bar", 8 * self.bars, 8)
+        if self.arch == "sm_100a":
+            r.take("tmem", 16, 8)  # the TMEM allocation's address
+
+
+def problems(arch: str, hidden: int, inter: int, experts: int, top_k: int, tokens: int = 1,
+             shared_experts: int = 1) -> list[str]:  # fmt: skip
+    """Why the mega kernel for ``arch`` cannot serve this shape (empty: it
+    can): the one statement of the shapes mega serves."""
+    if arch not in ARCH:
+        return [f"arch {arch!r}: the mega kernel is built for {', '.join(ARCH)}"]
+    cfg = ARCH[arch]
+    reasons = []
+    if not 1 <= tokens <= MEGA_TOKENS:
+        reasons.append(f"tokens {tokens}: the mega kernel serves 1..{MEGA_TOKENS}")
+    if shared_experts not in (0, 1):
+        reasons.append(f"shared_experts {shared_experts}: the mega kernel runs 0 or 1")
+    if experts % 32 or not 32 <= experts <= MAX_EXPERTS:
+        reasons.append(f"experts {experts}: the mega kernel routes a multiple of 32, at most "
+                       f"{MAX_EXPERTS} (32 candidates per lane)")  # fmt: skip
+    if not 1 <= top_k <= MAX_TOP_K:
+        reasons.append(f"top_k {top_k}: the mega kernel holds one route per lane (1..{MAX_TOP_K})")
+    if hidden % TILE or inter % TILE or hidden < TILE or inter < TILE:
+        reasons.append(f"hidden {hidden}, inter {inter}: must be positive multiples of {TILE}")
+        return reasons
+    tiles1, nk1, nk2 = 2 * inter // TILE, hidden // TILE, inter // TILE
+    cluster = tiles1 * cfg.split
+    if cfg.cluster is None and tiles1 not in (2, 4, 8, 16):
+        reasons.append(f"inter {inter}: the {arch} mega kernel runs one CTA per GEMM1 row tile "
+                       "in a cluster of 2, 4, 8 or 16: 2*inter/128 must be one of them")  # fmt: skip
+    if cfg.cluster is not None and cluster != cfg.cluster:
+        reasons.append(f"inter {inter}: the {arch} mega kernel's cluster is {cfg.split} K parts "
+                       f"x 2*inter/128 row tiles = {cfg.cluster} CTAs (inter "
+                       f"{cfg.cluster // cfg.split * TILE // 2})")  # fmt: skip
+    if hidden % (cluster * TILE):
+        reasons.append(f"hidden {hidden}: GEMM2 splits hidden over {cluster} CTAs in 128-row "
+                       f"tiles: hidden must be a multiple of {cluster * TILE}")  # fmt: skip
+    if cfg.sets_of:
+        low, high = cfg.k_blocks
+        if nk1 % cfg.sets_of or not low <= nk1 <= high:
+            reasons.append(f"hidden {hidden}: the {arch} mega kernel holds hidden/128 K blocks "
+                           f"in {low}..{high}, a multiple of {cfg.sets_of}")  # fmt: skip
+        if nk2 > cfg.b_rows:
+            reasons.append(f"inter {inter}: inter/128 hidden blocks are columns of an "
+                           f"N={cfg.b_rows} tile (at most {cfg.b_rows})")  # fmt: skip
+    if cfg.tmem_columns:
+        if nk1 % cfg.split or nk1 // cfg.split != cfg.b_rows:
+            reasons.append(f"hidden {hidden}: each K part's hidden/128/{cfg.split} K blocks are "
+                           f"the {cfg.b_rows} columns of one UMMA (hidden "
+                           f"{cfg.b_rows * cfg.split * TILE})")  # fmt: skip
+        tiles2 = hidden // max(cluster, 1) // TILE
+        if cfg.b_rows * (1 + tiles2) > cfg.tmem_columns:
+            reasons.append(f"{tiles2} GEMM2 row tiles need more than {cfg.tmem_columns} TMEM "
+                           "columns")  # fmt: skip
+        if nk2 > cfg.b_rows:
+            reasons.append(f"inter {inter}: at most {cfg.b_rows} hidden blocks per UMMA")
+    if not reasons:
+        plan = MegaPlan(arch, hidden, inter, experts, top_k, tokens, shared_experts)
+        if plan.smem > SMEM_LIMIT[arch]:
+            reasons.append(f"{plan.smem} B of shared memory exceed {arch}'s {SMEM_LIMIT[arch]}")
+    return reasons
+
+
+def plan_for(arch: str, hidden: int, inter: int, experts: int, top_k: int, tokens: int,
+             shared_experts: int) -> MegaPlan:  # fmt: skip
+    """The plan of one variant; ValueError naming every rule it breaks."""
+    reasons = problems(arch, hidden, inter, experts, top_k, tokens, shared_experts)
+    if reasons:
+        raise ValueError(f"mega/{arch} cannot serve this shape: " + "; ".join(reasons))
+    return MegaPlan(arch, hidden, inter, experts, top_k, tokens, shared_experts)
+
+
+def plan_of(spec) -> MegaPlan:
+    """``plan_for`` of a ``kernels.spec.KernelSpec``."""
+    return plan_for(spec.arch, spec.hidden, spec.inter, spec.experts, spec.top_k, spec.tokens,
+                    spec.shared_experts)  # fmt: skip
+
+
+# -- formulas the kernels run (Python or DSL integers) --------------------------------------
+
+
+def cluster_role(plan: MegaPlan, group):
+    """``(route, shared_token, is_shared)`` of cluster ``group``: a route
+    r (token r // top_k, pick r % top_k) or token ``shared_token``'s shared
+    expert, by ``plan.order``. ``route`` is meaningless for a shared cluster
+    and ``shared_token`` for a route."""
+    routes, shared = plan.routes, plan.shared
+    if plan.order == "shared_first":
+        return group - shared, group, group < shared
+    route = group if plan.order == "shared_last" else routes - 1 - group
+    return route, group - routes, group >= routes
+
+
+def gemm1_box(plan: MegaPlan, rank, n, expert):
+    """``(first row, K block)`` of the weight box of CTA ``rank``'s n-th
+    GEMM1 stage (n < blocks1) for ``expert``, in the w13 map (rows of W31,
+    K blocks ``expert * nk1 + kb``)."""
+    part = rank % plan.split
+    return (rank // plan.split) * TILE, expert * plan.nk1 + part * plan.blocks1 + n
+
+
+def gemm2_box(plan: MegaPlan, rank, m, expert):
+    """``(first row, K block)`` of CTA ``rank``'s m-th GEMM2 stage (row tile
+    ``m // nk2``, hidden block ``m % nk2``) in the w2 map."""
+    return rank * plan.rows2 + (m // plan.nk2) * TILE, expert * plan.nk2 + m % plan.nk2
+
+
+def b_chunk(plan: MegaPlan, tile, row, chunk):
+    """Byte offset, within a set of B tiles, of 16-byte chunk ``chunk`` of
+    token row ``row`` of tile ``tile`` (128-byte swizzle: chunk c of row r is
+    stored at c ^ (r % 8))."""
+    return tile * plan.b_bytes + row * TILE + (chunk ^ (row % 8)) * 16

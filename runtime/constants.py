@@ -1,0 +1,33 @@
+"""Architecture and format constants: the one definition of each, for the
+kernels, the pipeline and the runtime alike.
+
+A leaf module: it imports nothing (no torch, no cutlass, nothing of this
+project), so every layer can import it without an import circle, and the
+runtime still imports nothing of ``kernels/``.
+"""
+
+from __future__ import annotations
+
+#: K blocks, block-scale blocks and row tiles of every kernel (elements).
+TILE = 128
+#: Largest finite float8_e4m3fn.
+FP8_MAX = 448.0
+#: Largest token count M any kernel serves (grouped plan, workspace sizes,
+#: the layer's dispatch table).
+MAX_TOKENS = 64
+
+#: The kernels an artifact can hold, and the archs they are built for.
+KERNELS = ("mega", "grouped")
+ARCHS = ("sm_90a", "sm_100a")
+LOGITS_DTYPES = ("float32", "bfloat16")
+#: Compute capability -> the arch of the cubins that run there.
+ARCH_OF = {(9, 0): "sm_90a", (10, 0): "sm_100a"}
+
+#: Dynamic shared memory one CTA may use, per target: the per-block opt-in
+#: (cudaDevAttrMaxSharedMemoryPerBlockOptin: 232448 B = 227 KiB on H100/H200
+#: and B200) less the 1 KiB the cubin reports as static for any kernel using
+#: shared memory. Kernels plan against these recorded values; the runtime
+#: checks the device's own limit at bind.
+SMEM_OPTIN = {"sm_90a": 232448, "sm_100a": 232448}
+SMEM_RESERVED = 1024
+SMEM_LIMIT = {arch: optin - SMEM_RESERVED for arch, optin in SMEM_OPTIN.items()}

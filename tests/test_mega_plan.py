@@ -1,0 +1,192 @@
+"""The mega kernel's plan (kernels/mega_plan.py), for both archs: the shapes
+it serves, the work split, the cluster order, the weight boxes each CTA
+streams and the B-tile swizzle. The kernels call these same functions (on
+the DSL's integers), so a wrong formula here is a wrong cubin.
+
+Expectations are derived from the layout contract (artifacts/FORMAT.md:
+w13 [E, H/128, 2I, 128], w2 [E, I/128, H, 128]; one box = 128 rows x one K
+block), never from the functions under test.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from kernels import mega_plan as mp
+from runtime.constants import SMEM_LIMIT, TILE
+
+GLM5 = {"hidden": 4096, "inter": 512, "experts": 288, "top_k": 8}
+ARCHS = tuple(mp.ARCH)
+#: Shapes each arch's rules accept (for the enumerations below).
+SHAPES = {
+    "sm_90a": [GLM5, {**GLM5, "inter": 256}, {**GLM5, "hidden": 2048, "inter": 128},
+               {**GLM5, "hidden": 8192, "inter": 1024, "top_k": 4}],
+    "sm_100a": [GLM5],
+}  # fmt: skip
+
+
+def plan(arch="sm_90a", tokens=1, shared=1, **shape) -> mp.MegaPlan:
+    return mp.plan_for(arch, **{**GLM5, **shape}, tokens=tokens, shared_experts=shared)
+
+
+def cases():
+    for arch in ARCHS:
+        for shape in SHAPES[arch]:
+            for tokens in range(1, mp.MEGA_TOKENS + 1):
+                for shared in (0, 1):
+                    yield arch, shape, tokens, shared
+
+
+@pytest.mark.parametrize("arch,shape,tokens,shared", list(cases()))
+def test_every_cluster_is_one_route_or_one_shared_expert(arch, shape, tokens, shared):
+    p = mp.plan_for(arch, **shape, tokens=tokens, shared_experts=shared)
+    routes, shared_tokens = [], []
+    for group in range(p.groups):
+        route, token, is_shared = mp.cluster_role(p, group)
+        if is_shared:
+            shared_tokens.append(token)
+        else:
+            routes.append(route)
+    assert sorted(routes) == list(range(tokens * shape["top_k"]))
+    assert sorted(shared_tokens) == (list(range(tokens)) if shared else [])
+    assert p.grid == p.cluster * (tokens * shape["top_k"] + tokens * shared)
+
+
+@pytest.mark.parametrize("order", mp.ORDERS)
+def test_orders_place_the_shared_clusters(order, monkeypatch):
+    p = plan(tokens=2)
+    monkeypatch.setitem(p.config.order, 2, order)
+    roles = [mp.cluster_role(p, g) for g in range(p.groups)]
+    where = [g for g, (_, _, s) in enumerate(roles) if s]
+    if order == "shared_first":
+        assert where == [0, 1]
+        assert [r for r, _, s in roles if not s] == list(range(16))
+    else:
+        assert where == [16, 17]
+        routes = [r for r, _, s in roles if not s]
+        assert routes == (list(range(16)) if order == "shared_last" else list(range(15, -1, -1)))
+    assert [t for _, t, s in roles if s] == [0, 1]
+
+
+@pytest.mark.parametrize("arch,shape", [(a, s) for a in ARCHS for s in SHAPES[a]])
+def test_a_cluster_streams_each_weight_box_of_its_expert_once(arch, shape):
+    p = mp.plan_for(arch, **shape, tokens=1, shared_experts=1)
+    h, i, expert = shape["hidden"], shape["inter"], 5
+    w13, w2 = [], []
+    for rank in range(p.cluster):
+        w13 += [mp.gemm1_box(p, rank, n, expert) for n in range(p.blocks1)]
+        w2 += [mp.gemm2_box(p, rank, m, expert) for m in range(p.loads - p.blocks1)]
+    # w13: every 128-row tile of the 2I rows, at every K block of the expert.
+    assert sorted(w13) == sorted(itertools.product(range(0, 2 * i, TILE),
+                                                   range(expert * (h // TILE),
+                                                         (expert + 1) * (h // TILE))))  # fmt: skip
+    # w2: every 128-row tile of the H rows, at every hidden block of the expert.
+    assert sorted(w2) == sorted(itertools.product(range(0, h, TILE),
+                                                  range(expert * (i // TILE),
+                                                        (expert + 1) * (i // TILE))))  # fmt: skip
+    # A CTA's GEMM1 boxes are one row tile's K part, in K order; its GEMM2
+    # rows are its own slice of H.
+    for rank in range(p.cluster):
+        rows = {mp.gemm1_box(p, rank, n, expert)[0] for n in range(p.blocks1)}
+        blocks = [mp.gemm1_box(p, rank, n, expert)[1] for n in range(p.blocks1)]
+        assert len(rows) == 1 and blocks == sorted(blocks)
+        assert blocks[-1] - blocks[0] == p.blocks1 - 1
+        rows2 = {mp.gemm2_box(p, rank, m, expert)[0] for m in range(p.loads - p.blocks1)}
+        assert rows2 == set(range(rank * h // p.cluster, (rank + 1) * h // p.cluster, TILE))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_b_tile_chunks_are_a_128_byte_swizzle(arch):
+    p = plan(arch)
+    seen = set()
+    for tile in range(p.nk2):
+        for row in range(p.config.b_rows):
+            chunks = [mp.b_chunk(p, tile, row, c) for c in range(8)]
+            base = tile * p.config.b_rows * TILE + row * TILE
+            assert sorted(chunks) == [base + 16 * c for c in range(8)]  # a permutation of the row
+            assert chunks[0] == base + 16 * (row % 8)  # chunk 0 of row r sits at r % 8
+            seen.update(chunks)
+    assert len(seen) == p.nk2 * p.config.b_rows * 8
+
+
+@pytest.mark.parametrize("arch,shape,tokens,shared", list(cases()))
+def test_shared_memory_regions_are_disjoint_aligned_and_fit(arch, shape, tokens, shared):
+    p = mp.plan_for(arch, **shape, tokens=tokens, shared_experts=shared)
+    table = p.regions.table()
+    spans = sorted((off, off + size, name) for name, (off, size) in table.items())
+    for (_, end, _), (start, _, _) in zip(spans, spans[1:], strict=False):
+        assert end <= start
+    assert p.smem == spans[-1][1] <= SMEM_LIMIT[arch]
+    # MMA operands: 128-byte swizzle atoms need 1024-byte alignment.
+    for name in ("stages", "b1", "b2"):
+        assert table[name][0] % 1024 == 0
+    assert table["stages"][1] == p.stages * 128 * 128
+    assert table["b2"][1] == (shape["inter"] // TILE) * p.config.b_rows * TILE
+    assert table["stage"][0] % 16 == 0  # 16-byte st.async sources
+    assert table["bar"][0] % 8 == 0 and table["bar"][1] == 8 * p.bars
+    assert table["xscale"][1] == 4 * p.blocks1 and table["hscale"][1] == 4 * p.nk2
+
+
+def test_glm5_closed_forms():
+    p90, p100 = plan("sm_90a"), plan("sm_100a")
+    assert (p90.cluster, p90.split, p90.blocks1, p90.rows2, p90.tiles2) == (8, 1, 32, 512, 4)
+    assert p90.loads == 32 + 4 * 4
+    assert (p100.cluster, p100.split, p100.blocks1, p100.rows2, p100.tiles2) == (16, 2, 16, 256, 2)
+    assert p100.loads == 16 + 2 * 4
+    # M = 1: 8 routes and the shared expert.
+    assert p90.groups == p100.groups == 9 and p90.grid == 72 and p100.grid == 144
+    assert plan("sm_90a", tokens=4, shared=0).groups == 32
+
+
+def test_dsmem_bytes_match_the_expected_transactions():
+    """What ``hrecv`` and ``gate_in`` expect equals what the senders send:
+    every up tile sends each CTA 8 chunks of 16 bytes (its FP8 hidden block)
+    and one 4-byte scale; a gate tile sends its up tile 128 FP32 values."""
+    for arch in ARCHS:
+        p = plan(arch)
+        assert 8 * p.cluster <= 128  # the group of 128 threads covers every (peer, chunk)
+        ups = [r // p.split for r in range(p.cluster) if r % p.split == 0 and r // p.split < p.nk2]
+        assert ups == list(range(p.nk2))
+        assert p.nk2 * (8 * 16 + 4) == p.nk2 * (TILE + 4)
+
+
+@pytest.mark.parametrize(
+    ("arch", "shape", "words"),
+    [
+        ("sm_90a", {"inter": 384}, "2*inter/128"),
+        ("sm_90a", {"hidden": 7168, "inter": 256}, "hidden/128 K blocks"),
+        ("sm_90a", {"hidden": 1024, "inter": 128}, "hidden/128 K blocks"),
+        ("sm_90a", {"experts": 100}, "multiple of 32"),
+        ("sm_90a", {"top_k": 33}, "one route per lane"),
+        ("sm_90a", {"inter": 1000}, "multiples of 128"),
+        ("sm_100a", {"inter": 1024}, "16 CTAs"),
+        ("sm_100a", {"hidden": 2048}, "columns of one UMMA"),
+        ("sm_100a", {"experts": 2048}, "at most 1024"),
+    ],
+)
+def test_refusals_name_the_rule(arch, shape, words):
+    reasons = mp.problems(arch, **{**GLM5, **shape})
+    assert reasons and any(words in r for r in reasons), reasons
+    with pytest.raises(ValueError, match="cannot serve"):
+        mp.plan_for(arch, **{**GLM5, **shape}, tokens=1, shared_experts=1)
+
+
+def test_glm5_is_served_on_both_archs_and_other_inputs_are_refused():
+    for arch in ARCHS:
+        assert mp.problems(arch, **GLM5) == []
+        assert mp.problems(arch, **GLM5, tokens=5)
+        assert mp.problems(arch, **GLM5, shared_experts=2)
+    assert mp.problems("sm_80", **GLM5)
+
+
+def test_ring_depth_holds_every_cluster_at_its_ctas_per_sm():
+    """sm_90a's table: with c CTAs per SM an H200 holds 15 c eight-CTA clusters
+    (cuOccupancyMaxActiveClusters of the built variants), and a call's
+    clusters must all be resident; the ring is as deep as the shared memory
+    at that occupancy allows."""
+    for tokens in range(1, mp.MEGA_TOKENS + 1):
+        p = plan("sm_90a", tokens=tokens)
+        assert p.groups <= 15 * p.ctas_per_sm
+        assert p.ctas_per_sm * (p.smem + 1024) <= 228 * 1024
