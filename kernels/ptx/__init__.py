@@ -14,7 +14,8 @@ module             instructions
                    commit / wait, the 128B-swizzle smem descriptor
 ``cluster``        ``%cluster_ctarank``, ``mapa``, cluster barrier, ``st.async``
                    to distributed shared memory
-``fmath``          ``div.rn``, ``mul.rn``, ``ex2.approx``, ``rcp.approx``, max-abs
+``fmath``          ``div.rn``, ``mul.rn``, ``ex2.approx``, ``rcp.approx``, max-abs,
+                   NaN-propagating ``min``/``max``
 ``convert``        FP32 -> e4m3 x4 / BF16 packing, BF16 unpacking, bit casts
 ``memory``         global loads (``.nc``, ``.cg``, weak, acquire), stores,
                    release / relaxed atomics and reductions, ``cp.async``,
@@ -54,7 +55,15 @@ from .convert import (  # noqa: F401
     float_order_key,
     round_e4m3,
 )
-from .fmath import div_rn, ex2_approx, fmax_abs, mul_rn, rcp_approx  # noqa: F401
+from .fmath import (  # noqa: F401
+    div_rn,
+    ex2_approx,
+    fmax_abs,
+    fmax_nan,
+    fmin_nan,
+    mul_rn,
+    rcp_approx,
+)
 from .mbarrier import (  # noqa: F401
     cp_async_mbarrier_arrive_noinc,
     fence_mbarrier_init,

@@ -39,3 +39,16 @@ def fmax_abs(a, b, *, loc=None, ip=None) -> Float32:
     """``max(a, |b|)`` as ``abs.f32`` + ``max.f32`` (NaN-ignoring max)."""
     return asm("{ .reg .f32 t; abs.f32 t, $2; max.f32 $0, $1, t; }", "f", "ff", (a, b),
                side_effects=False, loc=loc, ip=ip)  # fmt: skip
+
+
+@dsl_user_op
+def fmin_nan(a, b, *, loc=None, ip=None) -> Float32:
+    """``min.NaN.f32``: the smaller of ``a`` and ``b``, NaN if either is NaN
+    (a clamp that must not turn a non-finite value finite)."""
+    return asm("min.NaN.f32 $0, $1, $2;", "f", "ff", (a, b), side_effects=False, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def fmax_nan(a, b, *, loc=None, ip=None) -> Float32:
+    """``max.NaN.f32``: the larger of ``a`` and ``b``, NaN if either is NaN."""
+    return asm("max.NaN.f32 $0, $1, $2;", "f", "ff", (a, b), side_effects=False, loc=loc, ip=ip)

@@ -203,6 +203,35 @@ def test_two_streams_in_parallel(artifact, layer, weights, device):
     )
 
 
+def test_non_finite_tokens_give_non_finite_rows(artifact, layer, weights, device):
+    """A token whose x holds a NaN or an Inf, or whose logits hold a NaN, gets
+    an output row with no finite value, as the reference does; the other
+    tokens of the call are unaffected (compared with the reference on them
+    alone). Every bucket of the layer: both kernels."""
+    dtype = layer.dtypes[0]
+    for m in sorted(layer.tables[dtype]):
+        x, logits, bias = _inputs(artifact.shape, m, dtype, device)
+        bad = {0: "x NaN", 1: "x Inf", 2: "logits NaN"}
+        x[0, 5] = float("nan")
+        if m > 1:
+            x[1, 100] = float("inf")
+        if m > 2:
+            logits[2, 7] = float("nan")
+        final = layer(x, logits, bias)
+        torch.cuda.synchronize(device)
+        for t in range(min(m, 3)):
+            assert not torch.isfinite(final[t]).any(), (m, bad[t], final[t])
+        ref = _reference(artifact, weights, x, logits, bias).final
+        for t in range(min(m, 3)):
+            assert not torch.isfinite(ref[t]).all(), ("reference", m, bad[t])
+        if m > 3:
+            good = slice(3, m)
+            want = _reference(artifact, weights, x[good], logits[good], bias).final
+            err = rel_l2(final[good], want)
+            assert err < TOL, (m, err)
+    print(f"non-finite tokens: {sorted(layer.tables[dtype])} checked")
+
+
 def test_bad_inputs_are_refused(artifact, layer, device):
     dtype = layer.dtypes[0]
     x, logits, bias = _inputs(artifact.shape, 2, dtype, device)
