@@ -8,7 +8,7 @@ JOBS   ?= 2
 # pytest selection; GPU tests skip themselves without a GPU.
 TESTS  ?= tests
 
-.PHONY: install build test lint format bench clean mutations
+.PHONY: install build test lint format bench clean mutations gpu-check
 
 # The venv is rebuilt when pyproject.toml changes. torch is installed first on
 # its own: a plain range would pull a multi-GB CUDA build where a CPU wheel
@@ -47,6 +47,10 @@ format: install
 bench: install
 	$(VENV)/bin/moe-build bench $(OUT) --routing random --routing skewed \
 		--json benchmarks/results/latest.json --plot benchmarks/results/latest.png
+
+## gpu-check: on a GPU machine, every GPU test, sanitizers, host profile and bench of $(OUT)
+gpu-check: install
+	PATH=$(VENV)/bin:$$PATH tests/gpu/acceptance.sh $(OUT) benchmarks/results/latest-check
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

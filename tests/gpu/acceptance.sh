@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# GPU acceptance of one sm_90a artifact, in one go (a GPU machine with the
+# serving packages; the artifact compiled elsewhere):
+#
+#   tests/gpu/acceptance.sh ARTIFACT OUTDIR [--no-bench]
+#
+# 1. the GPU tests (kernels against the float64 reference, layer, graphs,
+#    streams, reliability, serving) with $MOE_BUILD_ARTIFACT=ARTIFACT;
+# 2. compute-sanitizer memcheck and racecheck of one bucket of each kernel;
+# 3. the eager host-time profile (benchmarks/host_profile.py);
+# 4. moe-build bench over random, skewed and uniform routing -> OUTDIR/bench.json, .png.
+# Logs go to OUTDIR; the exit status is the first failing step's.
+set -uo pipefail
+art=${1:?artifact}; out=${2:?output directory}; bench=${3:-}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 MOE_BUILD_ARTIFACT="$art" MOE_MEGA_ARTIFACTS="$art" MOE_GROUPED_ARTIFACTS="$art"
+status=0
+step() {  # name, command...
+    local name=$1; shift
+    echo "== $name"
+    "$@" >"$out/$name.log" 2>&1
+    local rc=$?
+    tail -n 25 "$out/$name.log"
+    echo "== $name: exit $rc"
+    [ $rc -ne 0 ] && [ $status -eq 0 ] && status=$rc
+    return 0
+}
+step gpu-tests python3 -m pytest -q -s -rs -m gpu tests
+for tool in memcheck racecheck; do
+    for v in mega-sm_90a-m1-float32 grouped-sm_90a-m8-float32-final; do
+        step "$tool-$v" compute-sanitizer --tool "$tool" --error-exitcode 3 --kernel-name kns=moe_ \
+            python3 tests/gpu/one_call.py "$art" "$v"
+    done
+done
+step host-profile python3 -m benchmarks.host_profile "$art" --tokens 1,8,64 --calls 300
+if [ "$bench" != "--no-bench" ]; then
+    step bench python3 -m pipeline.cli bench "$art" --routing random --routing skewed \
+        --routing uniform --reps 30 --json "$out/bench.json" --plot "$out/bench.png"
+fi
+exit $status
