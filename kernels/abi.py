@@ -16,7 +16,8 @@ from runtime.constants import TILE
 #: The mega kernel's parameters (ABI order) and tensor maps, with the shared
 #: expert (``shared_experts == 1``) and routed only.
 MEGA_PARAMS = ("maps", "w13_scale", "w2_scale", "s13_scale", "s2_scale", "x", "logits", "bias",
-               "rows1", "rows2", "out", "shared_out", "ids", "weights")  # fmt: skip
+               "rows1", "rows2", "out", "shared_out", "final", "ids", "weights",
+               "arrivals")  # fmt: skip
 MEGA_MAPS = ("w13", "w2", "s13", "s2")
 MEGA_ROUTED_PARAMS = tuple(p for p in MEGA_PARAMS if p not in ("s13_scale", "s2_scale",
                                                                 "shared_out"))  # fmt: skip

@@ -2,8 +2,10 @@
 sm_100a): what each cluster is (``mega_plan.cluster_role``), routing and the
 ids/weights record, the token's FP8 quantization into B tiles, B-tile
 zeroing, the hidden block (clamped SwiGLU, FP8, broadcast to the cluster),
-DSMEM word stores and the output row; and the compile step both kernels
-share (fake arguments from the ABI table, entry name, PTX and cubin).
+DSMEM word stores, the output row and the finalize (``finish_slice``: the
+last CTA to write a token's slice of rows sums them into ``final``); and the
+compile step both kernels share (fake arguments from the ABI table, entry
+name, PTX and cubin).
 
 What differs per architecture is only the MMA and where its accumulators
 live (``mega_moe_sm90``: warpgroup MMA into registers; ``mega_moe_sm100``:
@@ -82,17 +84,18 @@ def resolve(plan: mp.MegaPlan, group, maps: Int64, w13_scale: Int64, w2_scale: I
 @cute.jit
 def route_and_record(plan: mp.MegaPlan, row_logits: Int64, bias: Int64, lane, k, route,
                      ids: Int64, weights: Int64, record, scale: cutlass.Constexpr[float],
-                     logits_bf16: cutlass.Constexpr[bool]) -> Int32:  # fmt: skip
-    """Routes the token with this warp (``moe_common.route_token``) and
-    returns pick ``k``'s expert (warp-uniform); when ``record``, lane ``k``
-    stores ``ids[route]`` and ``weights[route]``."""
+                     logits_bf16: cutlass.Constexpr[bool]):  # fmt: skip
+    """Routes the token with this warp (``moe_common.route_token``): returns
+    ``(expert, weight)``, pick ``k``'s expert (warp-uniform) and this lane's
+    routing weight (lane j < top_k holds route j's, for ``finish_slice``);
+    when ``record``, lane ``k`` stores ``ids[route]`` and ``weights[route]``."""
     ident, weight = mc.route_token(row_logits, bias, lane, plan.experts, plan.top_k, scale,
                                    logits_bf16)  # fmt: skip
     if record:
         if lane == k:
             ptx.st_global_u32(ids + Int64(route) * 4, Uint32(ident))
             ptx.st_global_f32(weights + Int64(route) * 4, weight)
-    return cute.arch.shuffle_sync(ident, k)
+    return cute.arch.shuffle_sync(ident, k), weight
 
 
 # -- the token into B tiles -------------------------------------------------------------------
@@ -178,6 +181,62 @@ def hidden_block(plan: mp.MegaPlan, base: Int32, up: Float32, local, e, lane, bl
             send_word(base + plan.offset("hscale") + block * 4, ptx.float_bits(scale), hrecv, peer)
 
 
+@cute.jit
+def finish_slice(plan: mp.MegaPlan, base: Int32, e, token, rank, weight, out: Int64,
+                 shared_out: Int64, final: Int64, arrivals: Int64,
+                 barrier: cutlass.Constexpr[int]):  # fmt: skip
+    """The finalize, run by the group of ``GROUP_THREADS`` of every CTA once
+    it has stored its slice of the output row (columns ``rank * rows2 ..``
+    of a route's ``out`` row or of ``shared_out[token]``).
+
+    Protocol (no CTA waits on another): after a named barrier, thread 0
+    releases the slice (``fence.acq_rel.gpu`` + ``atom.release.gpu.add`` on
+    ``arrivals[token, rank]``); the CTA that sees ``plan.arrivals - 1`` there
+    is the last of the token's clusters to write that slice. It zeroes the
+    word for the next call (ordered after this grid by the kernel boundary:
+    a dependent launch waits on ``griddepcontrol.wait`` before any access),
+    acquires (``fence.acq_rel.gpu``) and writes ``final[token, slice]`` = the
+    routes' BF16 rows weighted in top-k order in FP32, plus the shared row,
+    rounded once to BF16: ``runtime.reference.finalize``. ``weight``: this
+    lane's routing weight of the token (lane j holds route j's)."""
+    ptx.bar_sync(barrier, GROUP_THREADS)
+    flag = base + plan.offset("flag")
+    counter = arrivals + Int64(token * plan.cluster + rank) * 4
+    if e == 0:
+        ptx.fence_acq_rel_gpu()  # cumulative: the stores the barrier ordered first
+        ptx.st_shared_u32(flag, ptx.atom_add_release_gpu_u32(counter, Uint32(1)))
+    ptx.bar_sync(barrier, GROUP_THREADS)
+    if ptx.ld_shared_u32(flag) == Uint32(plan.arrivals - 1):
+        ptx.fence_acq_rel_gpu()
+        if e == 0:
+            ptx.st_global_u32(counter, Uint32(0))
+        picks = cute.make_rmem_tensor(cute.make_layout((plan.top_k,)), Float32)
+        for k in cutlass.range_constexpr(plan.top_k):
+            picks[k] = cute.arch.shuffle_sync(weight, k)
+        per_row = plan.rows2 // 8
+        for v in cutlass.range(e, per_row, GROUP_THREADS, unroll=1):
+            column = Int64(rank * plan.rows2 + v * 8)
+            total = cute.make_rmem_tensor(cute.make_layout((8,)), Float32)
+            for c in cutlass.range_constexpr(8):
+                total[c] = Float32(0.0)
+            for k in cutlass.range_constexpr(plan.top_k):
+                route = Int64(token * plan.top_k + k)
+                got = ptx.ld_global_cg_v4_u32(out + (route * plan.hidden + column) * 2)
+                for c in cutlass.range_constexpr(4):
+                    total[2 * c] = total[2 * c] + picks[k] * ptx.bf16_low(got[c])
+                    total[2 * c + 1] = total[2 * c + 1] + picks[k] * ptx.bf16_high(got[c])
+            row = (Int64(token) * plan.hidden + column) * 2
+            if cutlass.const_expr(plan.shared > 0):
+                got = ptx.ld_global_cg_v4_u32(shared_out + row)
+                for c in cutlass.range_constexpr(4):
+                    total[2 * c] = total[2 * c] + ptx.bf16_low(got[c])
+                    total[2 * c + 1] = total[2 * c + 1] + ptx.bf16_high(got[c])
+            ptx.st_global_v4_u32(
+                final + row,
+                *(ptx.cvt_bf16x2(total[2 * c], total[2 * c + 1]) for c in range(4)),
+            )
+
+
 def send_word(local_addr: Int32, value, local_bar: Int32, peer) -> None:
     """``st.async`` of one word to the same shared offset in CTA ``peer``,
     completing 4 bytes on that CTA's barrier at ``local_bar``'s offset."""
@@ -193,6 +252,12 @@ def store_output(row: Int64, logical, value: Float32) -> None:
 # -- build ------------------------------------------------------------------------------------
 
 
+def workspace(plan: mp.MegaPlan) -> dict[str, int]:
+    """The variant's workspaces, name -> bytes: the finalize's arrival
+    counts (zeroed once at allocation)."""
+    return {"arrivals": plan.arrival_bytes}
+
+
 def compile_mega(entry, plan: mp.MegaPlan, logits_dtype: str, prefix: str):
     """Compiles the jit function ``entry`` (the kernel object's launch) over
     fake arguments of the variant's ABI; returns ``(cubin, ptx, entry
@@ -202,7 +267,7 @@ def compile_mega(entry, plan: mp.MegaPlan, logits_dtype: str, prefix: str):
 
     names, maps = abi(plan)
     args = fake_arguments(names, plan.hidden, plan.inter, plan.experts, plan.top_k, plan.tokens,
-                          len(maps), logits_dtype)  # fmt: skip
+                          len(maps), logits_dtype, workspace(plan))  # fmt: skip
     with tempfile.TemporaryDirectory(prefix=f"{prefix}-") as dump:
         compiled = cute.compile(entry, *args, make_fake_stream(),
                                 options=f"--keep-ptx --keep-cubin --dump-dir={dump}")  # fmt: skip

@@ -8,7 +8,10 @@ routing, quantization, the hidden block). A cluster writes one unweighted
 BF16 row (``out[token * top_k + k]`` or ``shared_out[token]``); rank 0 of a
 route's cluster writes ``ids`` and ``weights``. A shared cluster runs the
 same code on tensor maps s13/s2 (maps 2 and 3), expert 0 and the shared
-scales. Without a shared expert the kernel has the routed-only ABI.
+scales. The MoE output ``final[token]`` comes out of the same launch: the
+last of a token's clusters to write a CTA rank's slice of columns sums it
+(``mega_common.finish_slice``, the ``arrivals`` workspace; no CTA waits on
+another). Without a shared expert the kernel has the routed-only ABI.
 
 The block scales are not powers of two, so the tensor core cannot apply them:
 each of a CTA's 16 K blocks puts the token in its own B column (UMMA N = 16,
@@ -55,7 +58,7 @@ from kernels import mega_plan as mp
 from kernels import moe_common as mc
 from kernels import ptx
 from kernels.ptx import tcgen05 as tc
-from kernels.spec import CompiledKernel, KernelSpec, LaunchShape, Param
+from kernels.spec import CompiledKernel, KernelSpec, LaunchShape, Param, Workspace
 from runtime.constants import TILE
 
 ARCH = "sm_100a"
@@ -99,24 +102,26 @@ class MegaKernel:
     def __call__(self, maps: cute.Tensor, w13_scale: cute.Tensor, w2_scale: cute.Tensor,
                  s13_scale: cute.Tensor, s2_scale: cute.Tensor, x: cute.Tensor,
                  logits: cute.Tensor, bias: cute.Tensor, rows1: cute.Tensor, rows2: cute.Tensor,
-                 out: cute.Tensor, shared_out: cute.Tensor, ids: cute.Tensor,
-                 weights: cute.Tensor, stream):  # fmt: skip
+                 out: cute.Tensor, shared_out: cute.Tensor, final: cute.Tensor,
+                 ids: cute.Tensor, weights: cute.Tensor, arrivals: cute.Tensor,
+                 stream):  # fmt: skip
         """Launch with the shared expert (``mega_common.PARAMS``)."""
         self.launch(
             self.kernel(maps, w13_scale, w2_scale, s13_scale, s2_scale, x, logits, bias, rows1,
-                        rows2, out, shared_out, ids, weights),
+                        rows2, out, shared_out, final, ids, weights, arrivals),
             stream,
         )  # fmt: skip
 
     @cute.jit
     def routed_only(self, maps: cute.Tensor, w13_scale: cute.Tensor, w2_scale: cute.Tensor,
                     x: cute.Tensor, logits: cute.Tensor, bias: cute.Tensor, rows1: cute.Tensor,
-                    rows2: cute.Tensor, out: cute.Tensor, ids: cute.Tensor,
-                    weights: cute.Tensor, stream):  # fmt: skip
+                    rows2: cute.Tensor, out: cute.Tensor, final: cute.Tensor,
+                    ids: cute.Tensor, weights: cute.Tensor, arrivals: cute.Tensor,
+                    stream):  # fmt: skip
         """Launch without a shared expert (``mega_common.ROUTED_PARAMS``)."""
         self.launch(
             self.kernel_routed(maps, w13_scale, w2_scale, x, logits, bias, rows1, rows2, out,
-                               ids, weights),
+                               final, ids, weights, arrivals),
             stream,
         )  # fmt: skip
 
@@ -124,33 +129,37 @@ class MegaKernel:
     def kernel(self, maps: cute.Tensor, w13_scale: cute.Tensor, w2_scale: cute.Tensor,
                s13_scale: cute.Tensor, s2_scale: cute.Tensor, x: cute.Tensor,
                logits: cute.Tensor, bias: cute.Tensor, rows1: cute.Tensor, rows2: cute.Tensor,
-               out: cute.Tensor, shared_out: cute.Tensor, ids: cute.Tensor,
-               weights: cute.Tensor):  # fmt: skip
+               out: cute.Tensor, shared_out: cute.Tensor, final: cute.Tensor,
+               ids: cute.Tensor, weights: cute.Tensor, arrivals: cute.Tensor):  # fmt: skip
         self.body(
             maps.iterator.toint(), w13_scale.iterator.toint(), w2_scale.iterator.toint(),
             s13_scale.iterator.toint(), s2_scale.iterator.toint(), x.iterator.toint(),
             logits.iterator.toint(), bias.iterator.toint(), rows1.iterator.toint(),
             rows2.iterator.toint(), out.iterator.toint(), shared_out.iterator.toint(),
-            ids.iterator.toint(), weights.iterator.toint(),
+            final.iterator.toint(), ids.iterator.toint(), weights.iterator.toint(),
+            arrivals.iterator.toint(),
         )  # fmt: skip
 
     @cute.kernel
     def kernel_routed(self, maps: cute.Tensor, w13_scale: cute.Tensor, w2_scale: cute.Tensor,
                       x: cute.Tensor, logits: cute.Tensor, bias: cute.Tensor,
                       rows1: cute.Tensor, rows2: cute.Tensor, out: cute.Tensor,
-                      ids: cute.Tensor, weights: cute.Tensor):  # fmt: skip
+                      final: cute.Tensor, ids: cute.Tensor, weights: cute.Tensor,
+                      arrivals: cute.Tensor):  # fmt: skip
         none = Int64(0)  # no shared routes: never read
         self.body(
             maps.iterator.toint(), w13_scale.iterator.toint(), w2_scale.iterator.toint(),
             none, none, x.iterator.toint(), logits.iterator.toint(), bias.iterator.toint(),
             rows1.iterator.toint(), rows2.iterator.toint(), out.iterator.toint(), none,
-            ids.iterator.toint(), weights.iterator.toint(),
+            final.iterator.toint(), ids.iterator.toint(), weights.iterator.toint(),
+            arrivals.iterator.toint(),
         )  # fmt: skip
 
     @cute.jit
     def body(self, maps: Int64, w13_scale: Int64, w2_scale: Int64, s13_scale: Int64,
              s2_scale: Int64, x: Int64, logits: Int64, bias: Int64, rows1: Int64, rows2: Int64,
-             out: Int64, shared_out: Int64, ids: Int64, weights: Int64):  # fmt: skip
+             out: Int64, shared_out: Int64, final: Int64, ids: Int64, weights: Int64,
+             arrivals: Int64):  # fmt: skip
         plan = self.plan
         tiles2, nk2 = plan.tiles2, plan.nk2
         tid, _, _ = cute.arch.thread_idx()
@@ -212,17 +221,25 @@ class MegaKernel:
         # No early launch_dependents: a dependent grid may read `weights`.
         ptx.griddepcontrol_wait()
         expert = Int32(0)
+        weight = Float32(0.0)
         dsize = 2 if self.logits_bf16 else 4
         row_logits = logits + Int64(token) * (plan.experts * dsize)
         record = (rank == 0) & (warp == 0)
+        # A shared cluster routes too (no record): the finalize needs the
+        # token's weights in whichever cluster arrives last.
         if cutlass.const_expr(plan.shared > 0):
-            if not is_shared:
-                expert = mgc.route_and_record(plan, row_logits, bias, lane, k, route, ids,
-                                              weights, record, self.scale,
-                                              self.logits_bf16)  # fmt: skip
+            if is_shared:
+                _, weight = mgc.route_and_record(plan, row_logits, bias, lane, k, route, ids,
+                                                 weights, False, self.scale,
+                                                 self.logits_bf16)  # fmt: skip
+            else:
+                expert, weight = mgc.route_and_record(plan, row_logits, bias, lane, k, route, ids,
+                                                      weights, record, self.scale,
+                                                      self.logits_bf16)  # fmt: skip
         else:
-            expert = mgc.route_and_record(plan, row_logits, bias, lane, k, route, ids, weights,
-                                          record, self.scale, self.logits_bf16)  # fmt: skip
+            expert, weight = mgc.route_and_record(plan, row_logits, bias, lane, k, route, ids,
+                                                  weights, record, self.scale,
+                                                  self.logits_bf16)  # fmt: skip
 
         if warp == 0:
             if lane == 0:
@@ -234,6 +251,8 @@ class MegaKernel:
                 sm, tmem, warp, lane, rank, token, tile, half, expert, scale1, scale2, x,
                 rows1, rows2, row, b_ready, acc1, acc2, pair, gate_recv, hrecv,
             )  # fmt: skip
+            mgc.finish_slice(plan, sm, (warp - EPILOGUE) * 32 + lane, token, rank, weight, out,
+                             shared_out, final, arrivals, EPILOGUE_BARRIER)  # fmt: skip
         if warp < EPILOGUE:
             ptx.cluster_wait()
         tc.release_tmem(tmem, TMEM_COLUMNS, warp, 1)
@@ -403,5 +422,7 @@ def compile_kernel(spec: KernelSpec) -> CompiledKernel:
     )  # fmt: skip
     return CompiledKernel(
         cubin=cubin, entry=name, params=tuple(Param(p, "pointer") for p in params),
-        launch=kernel.launch_shape(), tensor_maps=maps, ptx=ptx_text, notes=notes,
+        launch=kernel.launch_shape(), tensor_maps=maps,
+        workspace=tuple(Workspace(n, b, True) for n, b in mgc.workspace(plan).items()),
+        ptx=ptx_text, notes=notes,
     )  # fmt: skip

@@ -6,7 +6,11 @@ expert, runs as one cluster of C = 2I/128 CTAs in one launch
 memory; ``kernels/mega_common.py``: routing, quantization, the hidden block).
 A cluster writes one unweighted BF16 row (``out[token * top_k + k]`` or
 ``shared_out[token]``); rank 0 of a route's cluster writes ``ids`` and
-``weights``. Without a shared expert the kernel has the routed-only ABI.
+``weights``; and the MoE output ``final[token]`` comes out of the same launch:
+the last of a token's clusters to write a CTA rank's slice of columns sums
+that slice (``mega_common.finish_slice``: an arrival count per (token, rank)
+in the ``arrivals`` workspace, no CTA waiting on another). Without a shared
+expert the kernel has the routed-only ABI.
 
 Warp roles (160 threads):
   * warps 0-3, the MMA warpgroup: route the token (every warp, no exchange),
@@ -31,7 +35,11 @@ Rings and barriers (arrive counts):
     init and B-tile zeroing; waited by the MMA warps before GEMM1 and by the
     producer lane before its first wait on a free stage, so every wait on a
     peer's DSMEM writes comes after every peer's barriers exist;
-  * named barrier 1: the MMA warpgroup (B-tile refills, the hidden block).
+  * named barrier 1: the MMA warpgroup (B-tile refills, the hidden block,
+    the finalize's arrival);
+  * ``arrivals[token, rank]`` (global, u32): one ``atom.release.gpu.add``
+    per cluster of the token after its CTA of that rank stored its slice;
+    the CTA that reads ``top_k + shared - 1`` acquires, sums and re-zeroes.
 
 GEMM1 (the "column trick"): block scales are not powers of two, so K block
 kb's token block is B column kb % 8 of an N = 8 tile (the other columns
@@ -61,7 +69,7 @@ from kernels import mega_plan as mp
 from kernels import ptx
 from kernels.moe_common import logical_row, route_pick
 from kernels.ptx import wgmma
-from kernels.spec import CompiledKernel, KernelSpec, LaunchShape, Param
+from kernels.spec import CompiledKernel, KernelSpec, LaunchShape, Param, Workspace
 from runtime.constants import TILE
 
 ARCH = "sm_90a"
@@ -100,27 +108,29 @@ class MegaMoeSm90:
     def __call__(self, maps: cute.Tensor, w13_scale: cute.Tensor, w2_scale: cute.Tensor,
                  s13_scale: cute.Tensor, s2_scale: cute.Tensor, x: cute.Tensor,
                  logits: cute.Tensor, bias: cute.Tensor, rows1: cute.Tensor, rows2: cute.Tensor,
-                 out: cute.Tensor, shared_out: cute.Tensor, ids: cute.Tensor,
-                 weights: cute.Tensor, stream):  # fmt: skip
+                 out: cute.Tensor, shared_out: cute.Tensor, final: cute.Tensor,
+                 ids: cute.Tensor, weights: cute.Tensor, arrivals: cute.Tensor,
+                 stream):  # fmt: skip
         """Launch with the shared expert (``mega_common.PARAMS``)."""
         self.kernel.set_name_prefix(ENTRY, remove_cutlass_symbol=True, keep_mangled_name=False)
         self.launch(
             self.kernel(maps, w13_scale, w2_scale, s13_scale, s2_scale, x, logits, bias, rows1,
-                        rows2, out, shared_out, ids, weights),
+                        rows2, out, shared_out, final, ids, weights, arrivals),
             stream,
         )  # fmt: skip
 
     @cute.jit
     def routed_only(self, maps: cute.Tensor, w13_scale: cute.Tensor, w2_scale: cute.Tensor,
                     x: cute.Tensor, logits: cute.Tensor, bias: cute.Tensor, rows1: cute.Tensor,
-                    rows2: cute.Tensor, out: cute.Tensor, ids: cute.Tensor,
-                    weights: cute.Tensor, stream):  # fmt: skip
+                    rows2: cute.Tensor, out: cute.Tensor, final: cute.Tensor,
+                    ids: cute.Tensor, weights: cute.Tensor, arrivals: cute.Tensor,
+                    stream):  # fmt: skip
         """Launch without a shared expert (``mega_common.ROUTED_PARAMS``)."""
         self.kernel_routed.set_name_prefix(ENTRY, remove_cutlass_symbol=True,
                                            keep_mangled_name=False)  # fmt: skip
         self.launch(
             self.kernel_routed(maps, w13_scale, w2_scale, x, logits, bias, rows1, rows2, out,
-                               ids, weights),
+                               final, ids, weights, arrivals),
             stream,
         )  # fmt: skip
 
@@ -145,36 +155,40 @@ class MegaMoeSm90:
     def kernel(self, maps: cute.Tensor, w13_scale: cute.Tensor, w2_scale: cute.Tensor,
                s13_scale: cute.Tensor, s2_scale: cute.Tensor, x: cute.Tensor,
                logits: cute.Tensor, bias: cute.Tensor, rows1: cute.Tensor, rows2: cute.Tensor,
-               out: cute.Tensor, shared_out: cute.Tensor, ids: cute.Tensor,
-               weights: cute.Tensor):  # fmt: skip
+               out: cute.Tensor, shared_out: cute.Tensor, final: cute.Tensor,
+               ids: cute.Tensor, weights: cute.Tensor, arrivals: cute.Tensor):  # fmt: skip
         self.body(
             maps.iterator.toint(), w13_scale.iterator.toint(), w2_scale.iterator.toint(),
             s13_scale.iterator.toint(), s2_scale.iterator.toint(), x.iterator.toint(),
             logits.iterator.toint(), bias.iterator.toint(), rows1.iterator.toint(),
             rows2.iterator.toint(), out.iterator.toint(), shared_out.iterator.toint(),
-            ids.iterator.toint(), weights.iterator.toint(),
+            final.iterator.toint(), ids.iterator.toint(), weights.iterator.toint(),
+            arrivals.iterator.toint(),
         )  # fmt: skip
 
     @cute.kernel
     def kernel_routed(self, maps: cute.Tensor, w13_scale: cute.Tensor, w2_scale: cute.Tensor,
                       x: cute.Tensor, logits: cute.Tensor, bias: cute.Tensor,
                       rows1: cute.Tensor, rows2: cute.Tensor, out: cute.Tensor,
-                      ids: cute.Tensor, weights: cute.Tensor):  # fmt: skip
+                      final: cute.Tensor, ids: cute.Tensor, weights: cute.Tensor,
+                      arrivals: cute.Tensor):  # fmt: skip
         none = Int64(0)  # no shared routes: never read
         self.body(
             maps.iterator.toint(), w13_scale.iterator.toint(), w2_scale.iterator.toint(),
             none, none, x.iterator.toint(), logits.iterator.toint(), bias.iterator.toint(),
             rows1.iterator.toint(), rows2.iterator.toint(), out.iterator.toint(), none,
-            ids.iterator.toint(), weights.iterator.toint(),
+            final.iterator.toint(), ids.iterator.toint(), weights.iterator.toint(),
+            arrivals.iterator.toint(),
         )  # fmt: skip
 
     @cute.jit
     def body(self, maps: Int64, w13_scale: Int64, w2_scale: Int64, s13_scale: Int64,
              s2_scale: Int64, x: Int64, logits: Int64, bias: Int64, rows1: Int64, rows2: Int64,
-             out: Int64, shared_out: Int64, ids: Int64, weights: Int64):  # fmt: skip
+             out: Int64, shared_out: Int64, final: Int64, ids: Int64, weights: Int64,
+             arrivals: Int64):  # fmt: skip
         """One cluster = one route or one token's shared expert
         (``mega_common.resolve``); both run the same code from the producer's
-        first load on."""
+        first load on, and end in the finalize (``mega_common.finish_slice``)."""
         plan = self.plan
         tid, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -228,21 +242,30 @@ class MegaMoeSm90:
                 ptx.cluster_wait_divergent()  # before any wait on a peer (module docstring)
         else:
             ptx.griddepcontrol_wait()
-            expert = Int32(0)
+            # A shared cluster routes too (no record): the finalize needs the
+            # token's weights in whichever cluster arrives last.
             record = (rank == 0) & (warp == 0)
+            expert = Int32(0)
+            weight = Float32(0.0)
             if cutlass.const_expr(plan.shared > 0):
-                if not is_shared:
-                    expert = mgc.route_and_record(plan, row_logits, bias, lane, k, route, ids,
-                                                  weights, record, self.scale,
-                                                  self.logits_bf16)  # fmt: skip
+                if is_shared:
+                    _, weight = mgc.route_and_record(plan, row_logits, bias, lane, k, route, ids,
+                                                     weights, False, self.scale,
+                                                     self.logits_bf16)  # fmt: skip
+                else:
+                    expert, weight = mgc.route_and_record(plan, row_logits, bias, lane, k, route,
+                                                          ids, weights, record, self.scale,
+                                                          self.logits_bf16)  # fmt: skip
             else:
-                expert = mgc.route_and_record(plan, row_logits, bias, lane, k, route, ids,
-                                              weights, record, self.scale,
-                                              self.logits_bf16)  # fmt: skip
+                expert, weight = mgc.route_and_record(plan, row_logits, bias, lane, k, route, ids,
+                                                      weights, record, self.scale,
+                                                      self.logits_bf16)  # fmt: skip
             self.consume(
                 base, full, empty, gate_in, hrecv, tid, lane, rank, token, expert, scale1,
                 scale2, x, rows1, rows2, row,
             )  # fmt: skip
+            mgc.finish_slice(plan, base, tid, token, rank, weight, out, shared_out, final,
+                             arrivals, WG_BARRIER)  # fmt: skip
 
     @cute.jit
     def init_barriers(self, full, empty, gate_in, hrecv, rank):
@@ -499,6 +522,7 @@ def compile_kernel(spec: KernelSpec) -> CompiledKernel:
         params=tuple(Param(p, "pointer") for p in params),
         launch=kernel.launch_shape(),
         tensor_maps=maps,
+        workspace=tuple(Workspace(n, b, True) for n, b in mgc.workspace(plan).items()),
         ptx=ptx_text,
         notes=mgc.notes(plan, THREADS),
     )

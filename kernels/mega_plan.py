@@ -168,6 +168,18 @@ class MegaPlan:
         return self.cluster * self.groups
 
     @property
+    def arrivals(self) -> int:
+        """Clusters that write one token's rows: its routes and its shared
+        expert. The finalize of a (token, rank) slice runs in the CTA of rank
+        ``rank`` that arrives last of that many."""
+        return self.top_k + self.shared_experts
+
+    @property
+    def arrival_bytes(self) -> int:
+        """The ``arrivals`` workspace: one u32 per (token, rank)."""
+        return 4 * self.tokens * self.cluster
+
+    @property
     def order(self) -> str:
         return self.config.order[self.tokens]
 
@@ -214,6 +226,7 @@ class MegaPlan:
         r.take("amax", 16)  # per-warp amax of the hidden block
         r.take("hscale", 4 * self.nk2, 4)  # every hidden block's scale
         r.take("xscale", 4 * self.blocks1, 4)  # the token's activation scales
+        r.take("flag", 4, 4)  # the finalize's "this CTA arrived last" word
         r.take("bar", 8 * self.bars, 8)
         if self.arch == "sm_100a":
             r.take("tmem", 16, 8)  # the TMEM allocation's address

@@ -45,6 +45,8 @@ PARAMETER_NAMES = {
     "hscale": "workspace: fp32 hidden scales of every unit",
     "partial": "workspace: fp32 FC1 partials",
     "counters": "workspace: int32 parity counters (zeroed once at allocation)",
+    "arrivals": "workspace: int32 [M, cluster] arrival counts of the mega kernel's finalize "
+    "(zeroed once at allocation; the last arriver of each call zeroes its word again)",
 }
 
 #: Tensor maps the runtime can build, by name: 3-D view of a BlockMajorK

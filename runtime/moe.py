@@ -20,11 +20,13 @@ once the graph and its instantiations are destroyed.
 Calls the mega kernel serves: the mega variants of a model with a shared
 expert compute it in extra routes of the same launch (a ``shared_out``
 parameter); the layer refuses, at bind, mega variants built without it, so
-no call runs an expert in torch. The layer then
-weights and adds the routes and the shared row in torch (``combine``: FP32,
-four small kernels, no host sync; ~12.5 us on the H200 in a CUDA graph, next
-to 20-50 us of mega kernel at M = 1..4; the grouped kernel's in-kernel
-finalize does the same sum in top-k order).
+no call runs an expert in torch. A mega variant with a ``final`` parameter
+also writes the MoE output itself (its last-arriving CTAs sum each token's
+rows, ``kernels/mega_common.finish_slice``), as the grouped kernel's
+finalize does: ``layer(...)`` is then one launch. For variants without it
+(artifacts built before) the layer weights and adds the routes and the
+shared row in torch (``combine``: FP32, four small kernels, no host sync;
+~12.5 us on the H200 in a CUDA graph).
 """
 
 from __future__ import annotations
@@ -129,7 +131,7 @@ class MoELayer:
         if step is None:
             raise InputError(f"no {dtype}-logits variant of this artifact serves M = {m}")
         out, ids, weights, shared, final = self._run(step, x, logits, bias, dtype)
-        if step.finalize:
+        if writes_final(self._variant(step, dtype)):
             return final[:m]
         out, ids, weights = self._crop(m, out, ids, weights)
         shared = shared[:m] if self.shape.shared_experts else None
@@ -159,7 +161,7 @@ class MoELayer:
 
     def _run(self, step: Step, x, logits, bias, dtype: str):
         """Pads to the bucket, launches, returns bucket-sized outputs."""
-        variant = self.buckets[(step.kernel, dtype)][step.bucket][step.finalize]
+        variant = self._variant(step, dtype)
         mb, k, h = step.bucket, self.shape.top_k, self.shape.hidden
         x, logits = pad_rows(x, mb), pad_rows(logits, mb)
         dev = self.device
@@ -167,7 +169,7 @@ class MoELayer:
         ids = torch.empty(mb * k, dtype=torch.int32, device=dev)
         weights = torch.empty(mb * k, dtype=torch.float32, device=dev)
         shared = torch.empty(mb, h, dtype=torch.bfloat16, device=dev)
-        final = torch.empty_like(shared) if step.finalize else shared
+        final = torch.empty_like(shared) if writes_final(variant) else shared
         if self.poison:
             for t in (out, weights, shared, final):
                 t.fill_(float("nan"))
@@ -179,6 +181,9 @@ class MoELayer:
         }  # fmt: skip
         self._launch(variant, buffers, mb)
         return out, ids.view(mb, k), weights.view(mb, k), shared, final
+
+    def _variant(self, step: Step, dtype: str):
+        return self.buckets[(step.kernel, dtype)][step.bucket][step.finalize]
 
     def _launch(self, variant, buffers: dict, bucket: int) -> None:
         """Fills ``variant``'s parameters by name and launches it on torch's
@@ -206,6 +211,15 @@ class MoELayer:
 
     def _crop(self, m: int, out, ids, weights):
         return out[: m * self.shape.top_k], ids[:m], weights[:m]
+
+
+def writes_final(variant) -> bool:
+    """Whether ``variant`` writes the MoE output ``final`` itself: a grouped
+    variant built with finalize, or a mega variant with a ``final``
+    parameter (its last-arriving CTAs sum each token's rows)."""
+    if variant.kernel == "mega":
+        return any(name == "final" for name, _ in variant.params)
+    return variant.finalize
 
 
 def computes_shared(variant) -> bool:

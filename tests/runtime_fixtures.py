@@ -56,7 +56,7 @@ def record(kernel: str, arch: str = "sm_90a", tokens: int = 1, dtype: str = "flo
         "resources": {"registers": 128, "local_bytes": 0, "stack_bytes": 0, "static_smem": 0,
                       "spills": 0},
         "workspace": [{"name": n, "bytes": b, "zero": z} for n, b, z in GROUPED_WORKSPACE]
-        if grouped else [],
+        if grouped else [{"name": "arrivals", "bytes": 4 * tokens * 16, "zero": True}],
         "notes": {},
     }  # fmt: skip
     rec.update(overrides)

@@ -190,3 +190,22 @@ def test_ring_depth_holds_every_cluster_at_its_ctas_per_sm():
         p = plan("sm_90a", tokens=tokens)
         assert p.groups <= 15 * p.ctas_per_sm
         assert p.ctas_per_sm * (p.smem + 1024) <= 228 * 1024
+
+
+@pytest.mark.parametrize("arch,shape,tokens,shared", list(cases()))
+def test_every_slice_of_final_has_one_last_arriver(arch, shape, tokens, shared):
+    """The finalize's protocol (mega_common.finish_slice): a (token, rank)
+    slice of ``final`` is written by the CTA of that rank in whichever of the
+    token's clusters arrives last; every token has ``plan.arrivals`` clusters
+    (its routes and its shared expert), and the arrival words of all
+    (token, rank) pairs fit the ``arrivals`` workspace without overlap."""
+    p = mp.plan_for(arch, **shape, tokens=tokens, shared_experts=shared)
+    clusters = {t: 0 for t in range(tokens)}
+    for group in range(p.groups):
+        route, token, is_shared = mp.cluster_role(p, group)
+        clusters[token if is_shared else route // shape["top_k"]] += 1
+    assert set(clusters.values()) == {p.arrivals} == {shape["top_k"] + shared}
+    words = {t * p.cluster + r for t in range(tokens) for r in range(p.cluster)}
+    assert len(words) == tokens * p.cluster and max(words) * 4 + 4 <= p.arrival_bytes
+    # The slices of the ranks tile the row: rows2 columns each.
+    assert p.rows2 * p.cluster == shape["hidden"] and (p.rows2 // 8) * 8 == p.rows2

@@ -145,7 +145,9 @@ def test_every_glm5_mega_bucket_builds_for_sm100a(tmp_path):
         assert r["block"] == [192, 1, 1] and r["pdl"] is True
         assert r["params"] == [[name, "pointer"] for name in mgc.PARAMS]
         assert "shared_out" in mgc.PARAMS and "s13_scale" in mgc.PARAMS
-        assert r["maps"] == ["w13", "w2", "s13", "s2"] and r["workspace"] == []
+        assert r["maps"] == ["w13", "w2", "s13", "s2"]
+        # The finalize's arrival counts: one word per (token, CTA rank).
+        assert r["workspace"] == [["arrivals", 4 * r["tokens"] * 16, True]]
         assert r["smem"] == plan(r["tokens"]).smem
         assert r["notes"]["shared_routes"] == r["tokens"]
         assert r["notes"]["smem_limit"] == SMEM_LIMIT["sm_100a"]

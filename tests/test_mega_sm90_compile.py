@@ -16,13 +16,11 @@ import re
 import pytest
 from sass_tools import compile_specs, count, cuobjdump, resources, sass_counts
 
+from kernels import abi
 from kernels.spec import PARAMETER_NAMES, KernelSpec
 
 ENTRY = "moe_mega_sm90_0"
-MEGA_PARAMS = ("maps", "w13_scale", "w2_scale", "s13_scale", "s2_scale", "x", "logits", "bias",
-               "rows1", "rows2", "out", "shared_out", "ids", "weights")  # fmt: skip
-ROUTED_PARAMS = ("maps", "w13_scale", "w2_scale", "x", "logits", "bias", "rows1", "rows2", "out",
-                 "ids", "weights")  # fmt: skip
+MEGA_PARAMS, ROUTED_PARAMS = abi.MEGA_PARAMS, abi.MEGA_ROUTED_PARAMS
 THREADS = 160  # MMA warpgroup + producer warp
 CLUSTER = 8  # 2 * inter / 128 CTAs per route
 # H200 (sm_90) per-SM resources the tuned CTAs-per-SM must fit in.
@@ -96,7 +94,9 @@ def test_launch_records_match_the_mega_abi(built):
         assert r["grid"] == [CLUSTER * s.tokens * (s.top_k + s.shared_experts), 1, 1]
         assert r["notes"]["shared_routes"] == s.tokens * s.shared_experts
         assert r["block"] == [THREADS, 1, 1] and r["cluster"] == [CLUSTER, 1, 1]
-        assert r["pdl"] is True and r["maps"] == maps and r["workspace"] == []
+        assert r["pdl"] is True and r["maps"] == maps
+        # The finalize's arrival counts: one word per (token, CTA rank).
+        assert r["workspace"] == [["arrivals", 4 * s.tokens * CLUSTER, True]]
         assert r["smem"] >= r["notes"]["stages"] * 128 * 128
         # Every parameter is one 8-byte pointer in the PTX entry, and the
         # kernel waits on the previous grid (PDL) before reading inputs (the

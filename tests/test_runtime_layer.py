@@ -17,7 +17,7 @@ from runtime.errors import ArtifactError, InputError
 from runtime.inputs import check_weights
 from runtime.layout import random_moe_weights
 from runtime.model import MoEShape
-from runtime.moe import MoELayer, combine, computes_shared
+from runtime.moe import MoELayer, combine, computes_shared, writes_final
 from runtime.reference import (
     finalize,
     rel_l2,
@@ -28,17 +28,27 @@ CPU = torch.device("cpu")
 
 
 #: The mega kernel's routed-only ABI (kernels/abi.py); fx.record's default
-#: is the ABI with the shared expert.
+#: is the ABI with the shared expert and the in-kernel finalize.
 MEGA_ROUTED = {
     "params": [{"name": p, "kind": "pointer"} for p in abi.MEGA_ROUTED_PARAMS],
     "tensor_maps": list(abi.MEGA_ROUTED_MAPS),
 }
+#: The mega ABI of artifacts built before the in-kernel finalize: shared rows
+#: but no ``final`` (the layer sums the routes in torch).
+MEGA_NO_FINAL = {
+    "params": [{"name": p, "kind": "pointer"} for p in abi.MEGA_PARAMS
+               if p not in ("final", "arrivals")],
+    "tensor_maps": list(abi.MEGA_MAPS), "workspace": [],
+}  # fmt: skip
 
 
-def _variant(kernel, tokens, dtype, finalize=False, shared=True):
+def _variant(kernel, tokens, dtype, finalize=False, shared=True, final=True):
     """A variant record; mega ones with the shared expert unless ``shared``
-    is False (the older routed-only ABI)."""
-    extra = MEGA_ROUTED if kernel == "mega" and not shared else {}
+    is False (the older routed-only ABI) and with the in-kernel finalize
+    unless ``final`` is False."""
+    extra = {}
+    if kernel == "mega":
+        extra = MEGA_ROUTED if not shared else ({} if final else MEGA_NO_FINAL)
     rec = fx.record(kernel, tokens=tokens, dtype=dtype, finalize=finalize, **extra)
     return Variant(
         name=rec["name"], kernel=kernel, arch="sm_90a", tokens=tokens, logits_dtype=dtype,
@@ -105,7 +115,7 @@ class TaggedLayer(MoELayer):
         results = {"out": t["out"], "ids": t["ids"].view(-1), "weights": t["weights"].view(-1)}
         if computes_shared(variant):
             results["shared_out"] = t["shared"]
-        if variant.finalize:
+        if writes_final(variant):
             results["final"] = t["final"]
         for name, value in results.items():
             if name not in self.skip:
@@ -142,8 +152,8 @@ def _inputs(m, dtype=torch.float32, g=None):
 def test_layer_dispatches_pads_crops_and_combines(weights, m):
     """M tokens run in the smallest bucket >= M (mega up to 4, then grouped
     with in-kernel finalize), padded with copies of the last token; the
-    layer returns the first M rows: the kernel's final, or (mega) the
-    routes weighted and summed plus the kernel's shared rows, rounded once."""
+    layer returns the first M rows of the kernel's final (both kernels write
+    it: the mega kernel's last-arriving CTAs, the grouped kernel's finalize)."""
     layer = _layer(weights, poison=True)
     dtype = torch.bfloat16 if m % 2 else torch.float32
     x, logits, bias = _inputs(m, dtype)
@@ -213,17 +223,36 @@ def test_layer_without_mega_or_bf16_variants(weights):
         layer.mega(*_inputs(2))
 
 
+NO_FINAL = [_variant("mega", m, d, final=False) for m in (1, 2, 3, 4)
+            for d in ("float32", "bfloat16")] + GLM5_LIKE[8:]  # fmt: skip
+
+
+def test_mega_layer_call_returns_the_kernels_final(weights):
+    """A mega variant with ``final``: ``layer(...)`` is the one launch and
+    returns the rows the kernel wrote (left unwritten, they show as NaN)."""
+    assert all(writes_final(v) for v in GLM5_LIKE[:8])
+    layer = _layer(weights, poison=True, skip=("final",))
+    for m in (1, 3):
+        assert layer(*_inputs(m)).isnan().all()
+    layer = _layer(weights, poison=True, skip=("out", "shared_out"))
+    x, logits, bias = _inputs(2)
+    assert torch.equal(layer(x, logits, bias), tags(x, logits, SHAPE.top_k)["final"])
+
+
 def test_mega_path_takes_the_kernels_shared_rows(weights):
-    """A mega variant with ``shared_out``: the layer adds the kernel's rows
-    (left unwritten, they poison the output) and needs no torch expert."""
-    layer = _layer(weights, poison=True, skip=("shared_out",))
+    """A mega variant with ``shared_out`` but no ``final`` (built before the
+    in-kernel finalize): the layer adds the kernel's rows (left unwritten,
+    they poison the output) and needs no torch expert."""
+    assert not any(writes_final(v) for v in NO_FINAL[:8])
+    layer = _layer(weights, variants=NO_FINAL, poison=True, skip=("shared_out",))
     for m in (1, 3):
         assert layer(*_inputs(m)).isnan().all()
         out, ids, w, shared = layer.mega(*_inputs(m), shared=True)
         assert shared.shape == (m, SHAPE.hidden) and shared.isnan().all()
         assert not out.isnan().any() and not w.isnan().any()
-    layer = _layer(weights, poison=True)
+    layer = _layer(weights, variants=NO_FINAL, poison=True)
     x, logits, bias = _inputs(3)
+    assert torch.equal(layer(x, logits, bias), tags(x, logits, SHAPE.top_k)["final"])
     out, ids, w, shared = layer.mega(x, logits, bias, shared=True)
     assert shared.dtype == torch.bfloat16
     assert torch.equal(shared, tags(x, logits, SHAPE.top_k)["shared"])
