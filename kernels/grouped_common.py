@@ -2,18 +2,84 @@
 sm_100a): the call's start (routing, activation quantization, parity
 counters), unit numbering and route ranking, stage ranges and ownership,
 stage words, the weight producer, the B-tile gatherers, the FC1 pair close
-(partials, clamped SwiGLU, FP8 hidden), the FC2 output rows and the finalize.
+(partials, clamped SwiGLU, FP8 hidden), the FC2 output rows and the
+finalize; and the compile step both kernels share (fake arguments from the
+ABI table, ``build_common.compile_entry``, one notes schema).
 
-``grouped_plan`` states the same formulas in plain Python (and tests them);
-the functions here are their device versions. What differs per architecture
-is only the MMA and where its accumulators live; an architecture's epilogue
-describes its accumulator fragment with a ``Fragment`` (which tokens and
-logical rows each thread holds) and calls ``close_pair`` / ``store_rows``.
+The formulas (stage ranges, owners, stage words, weight boxes, unit
+numbering, ring and B-tile offsets, counter words) are ``grouped_plan``'s
+own, called here with the DSL's select, branch, min and popcount
+(``select``, ``branch``, ``cutlass.min``, ``cute.arch.popc``) and integer
+types: one statement, tested on the CPU. What differs per architecture is
+only the MMA and where its accumulators live (``grouped_moe_sm90``,
+``grouped_moe_sm100``: their warp roles and the empty / accumulator rings);
+an architecture's epilogue describes its accumulator fragment with a
+``Fragment`` (which tokens and logical rows each thread holds) and calls
+``close_pair`` / ``store_rows``.
+
+Shared memory (``grouped_plan.SmemLayout``, from the 1024-aligned dynamic
+base, in address order): ``w`` the weight stages (stages x DEPTH 128 x 128
+FP8 boxes, 128-byte swizzle), ``b`` the B tiles (stages x DEPTH x GROUP
+token rows of 128 K bytes, ``b_chunk``), ``ring`` the column scales
+(``ring_index``: ring stages x DEPTH x GROUP FP32), ``hs`` each gatherer's
+hidden scales [GROUP, I/128], ``amax`` four warps' per-token amax, then the
+unit tables ``picks`` (ids), ``mask`` (two words per expert, ``mask_slot``),
+``eoff``, ``uexp``, ``uoff``, ``ucnt``, ``flat``, the scalars ``scal`` (call
+parity and ``grouped_plan.RANGE_SCALARS``), ``desc`` (posts stage words),
+``bar`` (full[stages], empty[stages], acc_full[slots], acc_empty[slots],
+posted[posts]) and ``tmem`` (sm_100a's TMEM address).
+
+Rings (stage n: slot n % stages, phase (n // stages) % 2; its word at
+desc[n % posts], posted[n % posts]): the producer waits empty for n >=
+stages, writes the word, arrives on posted (1 arrival), then arrives on full
+with the weights' transaction bytes and issues the TMA (END: a plain
+arrival). The gatherer of stage n (n % gatherers) waits empty and posted,
+issues its B-tile cp.async and column scales, then each of its lanes
+arrives on full twice: its cp.async completion and itself
+(``FULL_ARRIVALS`` = 1 + 32 + 32). The consumers wait full; what frees
+empty is architecture-dependent. The scale ring and stage words are read up
+to stages + slots stages after they are written, so both are stages + slots
++ 2 deep.
+
+Phases of a call, and what each waits on:
+
+1. Barrier init and L2 prefetches of static inputs; ``__syncthreads``;
+   ``griddepcontrol.wait`` (the previous call's grid has finished: no early
+   launch_dependents, since the finalize reads this call's routing weights).
+2. ``start_call``: CTA t < M routes token t (warp 0) and quantizes it (the
+   epilogue group); thread 32 reads the call counter (parity =
+   ``call_parity``); ``__syncthreads``; every CTA zeroes its ``zero_share``
+   of the other parity's counters; thread 0 of CTA t < M counts token t on
+   the ready word (release), and thread 0 of every CTA waits (acquire) until
+   all M are counted; ``__syncthreads``.
+3. ``number_units``: route masks (``red.or`` in shared memory),
+   ``__syncthreads``; warp 0 counts and scans the experts, writes the unit
+   tables and (lane 31) this CTA's ranges, then arrives on named barrier
+   BAR_TABLES and goes on as the producer; warps 1-7 wait BAR_TABLES, rank
+   the routes into ``flat`` and meet at BAR_RANKED (224 threads) before
+   gathering or consuming.
+4. The stages: FC1 ranges (A then B), then FC2 jobs claimed ``chunk`` at a
+   time with ``atom.add`` on each half's job counter, then one END per
+   gatherer. A gatherer's first FC2 stage of a unit waits (acquire) until
+   the unit's readiness counter reaches ``pairs``. An FC1 pair piece that is
+   not the whole pair is published (FP32 partial at ``partial_slot``,
+   release on the ``pair_counter``) or, by its owner (``pair_owners``), waited
+   for (acquire, last - first publications) and summed; a finished pair
+   publishes its hidden block and scales and releases the unit's readiness
+   counter.
+5. ``end_call``, after a ``__syncthreads`` (every role is through its
+   stages): with the finalize, every CTA releases the finished counter and
+   waits (acquire) for all ``grid``, then sums its share of tokens; thread 0
+   counts the call (``atom.inc``, ``call_limit``).
+
+Every cross-CTA wait polls with a ``%globaltimer`` bound and traps after
+``WAIT_TIMEOUT_NS`` (the runtime launches cooperatively: all CTAs resident).
 
 Conventions: global addresses are ``Int64`` bytes (``tensor.iterator.toint()``),
 shared addresses ``Int32``; ``e`` is a thread's index in the 128-thread
 epilogue group. Every kernel runs ``THREADS`` = 256 threads: warp 0 is the
 weight producer, then the gatherer warps, and the epilogue's four warps last.
+Measurements: docs/notes/grouped-sm90.md, docs/notes/grouped-sm100.md.
 """
 
 from __future__ import annotations
@@ -24,53 +90,75 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
 
+from kernels import grouped_plan as gp
 from kernels import moe_common as mc
 from kernels import ptx
+from kernels.abi import fake_arguments
+from kernels.build_common import compile_entry
 from kernels.grouped_plan import (
-    BIT_CLOSES,
-    BIT_FC2,
-    BIT_HALF,
-    BIT_OPENS,
     DEPTH,
     END,
     GROUP,
-    KB_BITS,
     S_J2A,
     S_J2B,
-    S_LO1A,
-    S_LO1B,
     S_N1A,
     S_N1B,
     S_PARITY,
     S_S1A,
     S_S1B,
     S_SPLIT,
-    S_UNITS,
     SCALARS,
-    SHIFT_KB,
-    SHIFT_TILE,
-    SPLIT_UNITS,
     STAGE_BYTES,
-    TILE_BITS,
-    UNIT_BITS,
     WAIT_TIMEOUT_NS,
     GroupedPlan,
     SmemLayout,
 )
-from runtime.constants import TILE
+from kernels.spec import CompiledKernel, LaunchShape, Param, Workspace
+from runtime.constants import SMEM_LIMIT, TILE
 
+#: Both kernels' parameters (ABI order, kernels/spec.py PARAMETER_NAMES; every
+#: one a pointer) and tensor maps (``weight_box``'s map indices 0..3).
+PARAMS = (
+    "maps", "w13_scale", "w2_scale", "s13_scale", "s2_scale", "s13", "s2", "x", "logits",
+    "bias", "rows", "out", "shared_out", "final", "ids", "weights", "plan_x", "plan_s",
+    "hidden", "hscale", "partial", "counters",
+)  # fmt: skip
+TENSOR_MAPS = ("w13", "w2", "s13", "s2")
 THREADS = 256
 EPILOGUE_THREADS = 128
-# A stage's full barrier: the producer's expect_tx, then per gatherer lane its
-# cp.async completion and its own arrival after its scale-ring stores and its
-# reads of the stage word. Every lane arrives (not lane 0 after __syncwarp)
-# so that each lane's shared-memory accesses are ordered by an mbarrier of
-# its own: compute-sanitizer's racecheck reported the lane-0 handoff (H200,
-# grouped m8) and is clean with this.
+#: A stage's full barrier: the producer's expect_tx, then per gatherer lane its
+#: cp.async completion and its own arrival after its scale-ring stores and its
+#: reads of the stage word. Every lane arrives (not lane 0 after __syncwarp),
+#: so each lane's shared-memory accesses are ordered by an mbarrier of its own
+#: (docs/notes/grouped-sm90.md).
 FULL_ARRIVALS = 1 + 32 + 32
 # Named barriers (0 is __syncthreads): 1 the epilogue group, 2 unit tables
 # ready, 3 routes ranked.
 BAR_EPILOGUE, BAR_TABLES, BAR_RANKED = 1, 2, 3
+
+
+def select(cond, a, b):
+    """``a`` where ``cond`` holds, else ``b``: the select the plan's formulas
+    take on the device (``grouped_plan.pick`` on the host). A Python ``cond``
+    picks at trace time; the result has the type of the first DSL operand
+    (``Int32`` when both are Python ints)."""
+    if isinstance(cond, (bool, int)):
+        return a if cond else b
+    kind = next((type(v) for v in (a, b) if isinstance(v, cutlass.Numeric)), Int32)
+    return kind(cutlass.select_(cond, kind(a), kind(b)))
+
+
+@cute.jit
+def branch(cond, then, other):
+    """``then()`` where ``cond`` holds, else ``other()``, as a branch (each
+    side's loads stay on its side): the branch the plan's formulas take on
+    the device (``grouped_plan.choose`` on the host)."""
+    return then() if cond else other()
+
+
+def unpack(word):
+    """``grouped_plan.unpack`` of a ``Uint32`` stage word, fields as ``Int32``."""
+    return gp.unpack(word, Int32)
 
 
 @cute.jit
@@ -119,6 +207,8 @@ class Tables:
     weights = property(lambda t: t.base + t.layout.off_w)  # stage s at + s * a_bytes
     tokens = property(lambda t: t.base + t.layout.off_b)  # stage s at + s * b_bytes
 
+    ranges = property(lambda t: ScalarRanges(t.scal))
+
     def hs(self, gatherer):
         """The hidden scales [GROUP, nk2] of gatherer ``gatherer``'s FC2 unit."""
         size = GROUP * self.plan.nk2
@@ -141,6 +231,19 @@ class Tables:
 
     def posted(self, index):
         return self._bar(2 * self.layout.stages + 2 * self.layout.slots + index)
+
+
+@dataclass(frozen=True)
+class ScalarRanges:
+    """This CTA's ``grouped_plan.Ranges`` as stored in ``scal``: each field is
+    loaded where a formula reads it."""
+
+    scal: object
+
+    def __getattr__(self, name):
+        if name not in gp.RANGE_SCALARS:
+            raise AttributeError(name)
+        return self.scal[gp.RANGE_SCALARS[name]]
 
 
 class Fragment:
@@ -215,10 +318,41 @@ class GroupedCommon:
         self.routes, self.shared_units = plan.routes, plan.shared_units
         self.max_units, self.chunk = plan.max_units, plan.chunk
         self.counters = plan.counters
-        self.stages, self.posts, self.ring = layout.stages, layout.posts, layout.ring
-        self.columns = DEPTH * GROUP  # scale-ring floats of a stage
+        self.stages, self.posts = layout.stages, layout.posts
         assert self.GATHERERS + 1 <= self.EPILOGUE_WARP
         assert THREADS == 32 * self.EPILOGUE_WARP + EPILOGUE_THREADS
+
+    def launch_shape(self) -> LaunchShape:
+        """One CTA per SM of ``THREADS`` threads, the layout's dynamic shared
+        memory, PDL; no cluster."""
+        return LaunchShape(
+            grid=(self.grid, 1, 1), block=(THREADS, 1, 1), cluster=None,
+            smem=self.layout.total, pdl=True,
+        )  # fmt: skip
+
+    def notes(self, **extra) -> dict:
+        """The compile notes of a grouped variant, in the mega kernels' schema
+        where the same thing is meant (``mega_common.notes``: ``stages``,
+        ``stage_bytes`` = shared-memory bytes of one ring stage, so that
+        stages x stage_bytes is the ring, ``ctas_per_sm``, ``threads``,
+        ``smem_layout`` {name: [offset, bytes]}, ``smem_limit``); an
+        architecture adds its own keys through ``extra``."""
+        layout, plan = self.layout, self.plan
+        return {
+            "stages": layout.stages,
+            "stage_bytes": layout.a_bytes + layout.b_bytes,
+            "b_tile_bytes": layout.b_bytes,
+            "ctas_per_sm": 1,
+            "threads": THREADS,
+            "gatherers": self.GATHERERS,
+            "accumulator_slots": layout.slots,
+            "max_units": plan.max_units,
+            "fc2_jobs_per_claim": plan.chunk,
+            "resident_ctas_required": plan.grid,
+            "smem_layout": layout.table(),
+            "smem_limit": SMEM_LIMIT[self.spec.arch],
+            **extra,
+        }
 
     # -- the call's start ---------------------------------------------------------------
 
@@ -322,7 +456,7 @@ class GroupedCommon:
         calls = counters + self.counters.calls * 4
         scal = t.scal
         if tid == 32:
-            scal[S_PARITY] = Int32(ptx.ld_global_cg_u32(calls)) // self.grid
+            scal[S_PARITY] = gp.call_parity(Int32(ptx.ld_global_cg_u32(calls)), self.grid)
         if cta < self.tokens:
             if warp == 0:
                 self.route(logits, bias, ids, weights, cta, lane)
@@ -333,7 +467,7 @@ class GroupedCommon:
         parity = scal[S_PARITY]
         mine = self.parity_block(counters, parity)
         other = self.parity_block(counters, 1 - parity)
-        per_cta = (words + self.grid - 1) // self.grid
+        per_cta = gp.zero_share(words, self.grid)
         for i in cutlass.range(tid, per_cta, THREADS, unroll=1):
             if cta * per_cta + i < words:
                 ptx.st_global_u32(other + Int64(cta * per_cta + i) * 4, Uint32(0))
@@ -365,10 +499,8 @@ class GroupedCommon:
         cute.arch.sync_threads()
         mask_addr = t.base + self.layout.off_mask
         for r in cutlass.range(tid, routes, THREADS, unroll=1):
-            token = r // self.top_k
-            ptx.red_or_shared_u32(
-                mask_addr + (2 * picks[r] + token // 32) * 4, Uint32(1) << Uint32(token % 32)
-            )
+            word, bit = gp.mask_slot(picks[r], r // self.top_k)
+            ptx.red_or_shared_u32(mask_addr + word * 4, Uint32(1) << Uint32(bit))
         cute.arch.sync_threads()
         if warp == 0:
             per = experts // 32
@@ -379,7 +511,7 @@ class GroupedCommon:
                 e = lane * per + j
                 counts[j] = Int32(cute.arch.popc(mask[2 * e]) + cute.arch.popc(mask[2 * e + 1]))
                 count = count + counts[j]
-                distinct = distinct + (counts[j] + GROUP - 1) // GROUP
+                distinct = distinct + gp.units_of(counts[j])
             units = distinct
             routed = count
             for shift in cutlass.range_constexpr(5):
@@ -398,13 +530,13 @@ class GroupedCommon:
                 for i in cutlass.range(0, n, GROUP, unroll=1):
                     uexp[unit] = e
                     uoff[unit] = start + i
-                    ucnt[unit] = cutlass.min(n - i, GROUP)
+                    ucnt[unit] = gp.unit_size(n, i, cutlass.min)
                     unit = unit + 1
                 start = start + n
             if lane < self.shared_units:
                 uexp[lane] = Int32(-1)
                 uoff[lane] = lane * GROUP
-                ucnt[lane] = cutlass.min(self.tokens - lane * GROUP, GROUP)
+                ucnt[lane] = gp.unit_size(self.tokens, lane * GROUP, cutlass.min)
             if lane == 31:
                 uoff[units + self.shared_units] = start
                 self.ranges(t, units + self.shared_units, cta)
@@ -424,118 +556,50 @@ class GroupedCommon:
         mask, picks, eoff, flat = t.mask, t.picks, t.eoff, t.flat
         for r in cutlass.range(i, self.routes, THREADS - 32, unroll=1):
             e = picks[r]
-            token = r // self.top_k
-            low = mask[2 * e]
-            rank = Int32(0)
-            if token < 32:
-                rank = Int32(cute.arch.popc(low & ((Uint32(1) << Uint32(token)) - Uint32(1))))
-            else:
-                below = (Uint32(1) << Uint32(token - 32)) - Uint32(1)
-                rank = Int32(cute.arch.popc(low) + cute.arch.popc(mask[2 * e + 1] & below))
-            flat[eoff[e] + rank] = r
+            rank = gp.rank_in_mask(r // self.top_k, mask[2 * e], lambda e=e: mask[2 * e + 1],
+                                   cute.arch.popc, branch, Uint32)  # fmt: skip
+            flat[eoff[e] + Int32(rank)] = r
 
-    @cute.jit
     def ranges(self, t: Tables, units: Int32, cta: Int32):
-        """This CTA's FC1 stage ranges of halves A and B and their FC2 job
-        counts (``grouped_plan.ranges``)."""
+        """Stores this CTA's FC1 stage ranges of halves A and B and their FC2
+        job counts (``grouped_plan.ranges``) in ``scal``."""
         scal = t.scal
-        split = units
-        if units > SPLIT_UNITS:
-            split = (units + 1) // 2
-        s1a = split * self.unit1
-        s1b = (units - split) * self.unit1
-        lo1a = cta * s1a // self.grid
-        lo1b = cta * s1b // self.grid
-        scal[S_UNITS] = units
-        scal[S_SPLIT] = split
-        scal[S_S1A] = s1a
-        scal[S_S1B] = s1b
-        scal[S_LO1A] = lo1a
-        scal[S_LO1B] = lo1b
-        scal[S_J2A] = split * self.tiles2
-        scal[S_J2B] = (units - split) * self.tiles2
-        scal[S_N1A] = (cta + 1) * s1a // self.grid - lo1a
-        scal[S_N1B] = (cta + 1) * s1b // self.grid - lo1b
+        r = gp.ranges(self.plan, units, cta, select)
+        for name, index in gp.RANGE_SCALARS.items():
+            scal[index] = getattr(r, name)
 
-    def owner(self, s, size):
-        """The CTA whose range of a ``size``-stage half holds stage ``s``."""
-        return ((s + 1) * self.grid - 1) // size
-
-    @cute.jit
     def locate(self, t: Tables, n):
-        """(half, unit, row tile, K block, stage index in its half) of this
-        CTA's n-th FC1 stage (``grouped_plan.locate``)."""
-        n1a = t.scal[S_N1A]
-        s = t.scal[S_LO1A] + n
-        half = Int32(0)
-        unit = s // self.unit1
-        if n >= n1a:
-            s = t.scal[S_LO1B] + n - n1a
-            half = Int32(1)
-            unit = t.scal[S_SPLIT] + s // self.unit1
-        q = s % self.unit1
-        tile = q // self.span + self.pairs * (q % 2)
-        kb = DEPTH * ((q % self.span) // 2)
-        return half, unit, tile, kb, s
+        """``grouped_plan.locate`` of this CTA's n-th FC1 stage."""
+        return gp.locate(self.plan, t.ranges, n, select, branch)
 
-    @cute.jit
     def describe(self, t: Tables, n):
         """This CTA's n-th FC1 stage word (``grouped_plan.describe``)."""
-        half, unit, tile, kb, s = self.locate(t, n)
-        n1a = t.scal[S_N1A]
-        n1 = n1a + t.scal[S_N1B]
-        opens = (n == 0) | (n == n1a) | (s % self.span == 0)
-        closes = (n == n1a - 1) | (n == n1 - 1) | (s % self.span == self.span - 1)
-        word = Uint32(unit) | (Uint32(tile) << SHIFT_TILE) | (Uint32(kb) << SHIFT_KB)
-        word = word | (Uint32(half) << BIT_HALF)
-        return word | (Uint32(opens) << BIT_OPENS) | (Uint32(closes) << BIT_CLOSES)
-
-    def unpack(self, word):
-        """(FC2, half, unit, row tile, K block, opens, closes) of a stage word."""
-        return (
-            ((word >> BIT_FC2) & Uint32(1)) != Uint32(0),
-            Int32((word >> BIT_HALF) & Uint32(1)),
-            Int32(word & Uint32((1 << UNIT_BITS) - 1)),
-            Int32((word >> SHIFT_TILE) & Uint32((1 << TILE_BITS) - 1)),
-            Int32((word >> SHIFT_KB) & Uint32((1 << KB_BITS) - 1)),
-            ((word >> BIT_OPENS) & Uint32(1)) != Uint32(0),
-            ((word >> BIT_CLOSES) & Uint32(1)) != Uint32(0),
-        )
+        return gp.describe(self.plan, t.ranges, n, select, branch, Uint32)
 
     # -- weights --------------------------------------------------------------------------
 
-    @cute.jit
     def weight_box(self, t: Tables, word):
-        """(tensor map index, row tile, first K block chunk) of a stage's
-        weights; maps are w13, w2, s13, s2."""
-        fc2, _, unit, tile, kb, _, _ = self.unpack(word)
-        expert = t.uexp[unit]
-        index = Int32(0)
-        if expert < 0:  # the shared expert's maps
-            index = Int32(2)
-            expert = Int32(0)
-        chunk = expert * self.nk1 + kb
-        if fc2:
-            index = index + 1
-            chunk = expert * self.nk2 + kb
-        return index, tile, chunk
+        """``grouped_plan.weight_box`` of a stage word: (tensor map index, row
+        tile, first K-block coordinate); maps are w13, w2, s13, s2."""
+        fc2, _, unit, tile, kb, _, _ = unpack(word)
+        return gp.weight_box(self.plan, fc2, t.uexp[unit], tile, kb, select)
 
     @cute.jit
     def weight_scale(self, t: Tables, word, d, w13_scale: Int64, w2_scale: Int64,
                      s13_scale: Int64, s2_scale: Int64):  # fmt: skip
         """The FP32 weight block scale of K block d of a stage."""
-        fc2, _, unit, tile, kb, _, _ = self.unpack(word)
+        fc2, _, unit, tile, kb, _, _ = unpack(word)
         expert = t.uexp[unit]
         safe = Int64(cutlass.max(expert, Int32(0)))
         value = Float32(0.0)
         if fc2:
-            index = (safe * self.tiles2 + tile) * self.nk2 + kb + d
+            index = gp.scale_index(self.plan, True, safe, tile, kb) + d
             base = w2_scale
             if expert < 0:
                 base = s2_scale
             value = ptx.ld_global_nc_f32(base + index * 4)
         else:
-            index = (safe * (2 * self.pairs) + tile) * self.nk1 + kb + d
+            index = gp.scale_index(self.plan, False, safe, tile, kb) + d
             base = w13_scale
             if expert < 0:
                 base = s13_scale
@@ -560,9 +624,8 @@ class GroupedCommon:
             ptx.mbarrier_arrive_expect_tx(t.full(slot), self.layout.a_bytes)
             tmap = maps + Int64(index) * 128
             # Weights stream through L2 once: evict them first, keeping the
-            # plan, hidden blocks, partials and outputs there (H200: 1-3%
-            # faster at every M, e.g. M = 8 87.5 -> 84.8 us, M = 64 233.2 ->
-            # 230.7 us).
+            # plan, hidden blocks, partials and outputs there
+            # (docs/notes/grouped-sm90.md).
             policy = ptx.create_policy_evict_first()
             for d in cutlass.range_constexpr(DEPTH):
                 ptx.tma_load_3d_hint(
@@ -593,16 +656,9 @@ class GroupedCommon:
                 claim = Int32(ptx.atom_add_release_gpu_u32(jobs + Int64(half) * 4,
                                                            Uint32(self.chunk)))  # fmt: skip
                 for job in cutlass.range(start, cutlass.min(start + self.chunk, count), unroll=1):
-                    unit = first + job // self.tiles2
-                    tile = job % self.tiles2
+                    unit, tile = gp.job_of(self.plan, first, job)
                     for k in cutlass.range_constexpr(self.job):
-                        word = Uint32(unit) | (Uint32(tile) << SHIFT_TILE)
-                        word = word | (Uint32(DEPTH * k) << SHIFT_KB) | Uint32(1 << BIT_FC2)
-                        if cutlass.const_expr(k == 0):
-                            word = word | Uint32(1 << BIT_OPENS)
-                        if cutlass.const_expr(k == self.job - 1):
-                            word = word | Uint32(1 << BIT_CLOSES)
-                        self.post(t, maps, n, word)
+                        self.post(t, maps, n, gp.fc2_word(self.plan, unit, tile, k, Uint32))
                         n = n + 1
             else:
                 half = half + 1
@@ -643,7 +699,7 @@ class GroupedCommon:
             ptx.mbarrier_wait(t.posted(n % self.posts), (n // self.posts) % 2)
             word = Uint32(desc[n % self.posts])
             if word != Uint32(END):
-                fc2, _, unit, _, kb, _, _ = self.unpack(word)
+                fc2, _, unit, _, kb, _, _ = unpack(word)
                 # Lane d < DEPTH: the weight block scale of K block kb + d.
                 ws = Float32(0.0)
                 if lane < DEPTH:
@@ -700,8 +756,7 @@ class GroupedCommon:
                         c = i % 8
                         for d in cutlass.range_constexpr(DEPTH):
                             ptx.cp_async_cg_16(
-                                dst + (d * w + j) * TILE + (c ^ (j % 8)) * 16,
-                                rows[k] + (kb + d) * TILE + c * 16,
+                                dst + gp.b_chunk(d, j, c), rows[k] + (kb + d) * TILE + c * 16
                             )
                 for d in cutlass.range_constexpr(DEPTH):
                     w_d = cute.arch.shuffle_sync(ws, d)
@@ -709,14 +764,14 @@ class GroupedCommon:
                         scale = xs[d]
                         if fc2:
                             scale = hs[lane * self.nk2 + kb + d]
-                        ring[(n % self.ring) * self.columns + d * w + lane] = w_d * scale
+                        ring[gp.ring_index(self.layout, n, d, lane)] = w_d * scale
             ptx.cp_async_mbarrier_arrive_noinc(t.full(slot))
             ptx.mbarrier_arrive(t.full(slot))
             n = n + self.GATHERERS
 
     def ring_scale(self, t: Tables, n, d: int, token):
         """The column scale of K block d, token ``token`` of stage n."""
-        return t.ring[(n % self.ring) * self.columns + d * GROUP + token]
+        return t.ring[gp.ring_index(self.layout, n, d, token)]
 
     # -- the epilogue group: FC1 pair close, FC2 rows --------------------------------------
 
@@ -731,22 +786,20 @@ class GroupedCommon:
         CTA order and finish the pair. Partial layout: [values / 2 words of 4
         floats][128 threads][4]."""
         _, _, _, _, s = self.locate(t, n)
-        start = s - (n - opened)
-        base = s - s % self.span  # the pair's first stage in its half
-        pair = s % self.unit1 // self.span
+        base, pair, whole = gp.pair_of(self.plan, s, n, opened)
         unit_ready = mine + self.counters.unit_ready * 4
-        if start == base and s == base + self.span - 1:
+        if whole:
             self.finish(t, frag, up, gate, unit, pair, count, e, hidden, hscale, unit_ready)
         else:
             size = t.scal[S_S1A]
             if half == 1:
                 size = t.scal[S_S1B]
-            first = self.owner(base, size)
-            last = self.owner(base + self.span - 1, size)
-            arrivals = mine + (self.counters.pairs + unit * self.pairs + pair) * 4
+            first, last = gp.pair_owners(self.plan, base, size)
+            arrivals = mine + gp.pair_counter(self.plan, unit, pair) * 4
             v = frag.values
+            piece_bytes = 2 * v * EPILOGUE_THREADS * 4
             if cta != first:
-                piece = partial + (Int64(half) * self.grid + cta) * (2 * v * EPILOGUE_THREADS * 4)
+                piece = partial + gp.partial_slot(self.plan, Int64(half), cta) * piece_bytes
                 for i in cutlass.range_constexpr(2 * v // 4):
                     src = up if i < v // 4 else gate
                     o = (i % (v // 4)) * 4
@@ -766,7 +819,7 @@ class GroupedCommon:
                 ptx.bar_sync(BAR_EPILOGUE, EPILOGUE_THREADS)
                 ptx.fence_acq_rel_gpu()
                 for c in cutlass.range(first + 1, last + 1, unroll=1):
-                    piece = partial + (Int64(half) * self.grid + c) * (2 * v * EPILOGUE_THREADS * 4)
+                    piece = partial + gp.partial_slot(self.plan, Int64(half), c) * piece_bytes
                     for i in cutlass.range_constexpr(2 * v // 4):
                         got = ptx.ld_global_cg_v4_u32(
                             piece + (Int64(i) * EPILOGUE_THREADS + e) * 16
@@ -872,7 +925,7 @@ class GroupedCommon:
             self.finish_tokens(out, shared_out, final, weights, cta, tid)
         if tid == 0:
             ptx.atom_inc_relaxed_gpu_u32(
-                counters + self.counters.calls * 4, Uint32(2 * self.grid - 1)
+                counters + self.counters.calls * 4, Uint32(gp.call_limit(self.grid))
             )
 
     @cute.jit
@@ -905,3 +958,36 @@ class GroupedCommon:
                 for c in range(4)
             ]
             ptx.st_global_v4_u32(final + row, *words)
+
+
+# -- build -----------------------------------------------------------------------------------
+
+
+def workspaces(plan: GroupedPlan) -> tuple[Workspace, ...]:
+    """The variant's workspaces (``grouped_plan.workspaces``; one set serves
+    every bucket of a model)."""
+    return gp.workspaces(plan.hidden, plan.inter, plan.experts, plan.top_k, plan.grid)
+
+
+def check_spec(spec, arch: str, module: str) -> None:
+    """Refuses a spec that is not ``grouped``/``arch``."""
+    if spec.kernel != "grouped" or spec.arch != arch:
+        raise ValueError(f"{module} builds grouped/{arch}, not {spec.kernel}/{spec.arch}")
+
+
+def compile_grouped(kernel: GroupedCommon, prefix: str, **notes) -> CompiledKernel:
+    """Compiles ``kernel`` (a grouped kernel object: its ``__call__`` is the
+    launch) over fake arguments of the ABI (``kernels.abi``, workspaces by
+    name and bytes) with ``build_common.compile_entry``; ``notes``: the
+    architecture's own compile notes."""
+    spec, plan = kernel.spec, kernel.plan
+    spaces = workspaces(plan)
+    args = fake_arguments(PARAMS, spec.hidden, spec.inter, spec.experts, spec.top_k, spec.tokens,
+                          len(TENSOR_MAPS), spec.logits_dtype,
+                          workspace={w.name: w.bytes for w in spaces})  # fmt: skip
+    cubin, ptx_text, entry = compile_entry(kernel, args, prefix)
+    return CompiledKernel(
+        cubin=cubin, entry=entry, params=tuple(Param(name, "pointer") for name in PARAMS),
+        launch=kernel.launch_shape(), tensor_maps=TENSOR_MAPS, workspace=spaces, ptx=ptx_text,
+        notes=kernel.notes(**notes),
+    )  # fmt: skip

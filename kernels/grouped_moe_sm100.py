@@ -1,50 +1,74 @@
-"""Grouped MoE kernel for sm_100a (B200/GB200): the persistent grouped kernel
-with tcgen05 MMA and TMEM accumulators, with its architecture-independent
-device code in ``kernels.grouped_common`` (shared with sm_90a) and its host
-formulas in ``kernels.grouped_plan``.
+"""Grouped MoE kernel for sm_100a (B200/GB200): routed experts plus the
+shared expert of 8-64 decode tokens in one persistent kernel, one CTA per SM,
+with tcgen05 MMA and TMEM accumulators.
 
-Routed experts plus the shared expert of 8-64 decode tokens in one launch of
-one CTA per SM. CTA t routes and quantizes token t into a global plan; every
-CTA then cuts the routes into units of up to 16 tokens of one expert and
-splits the weight stages (two 128 x 128 K blocks of one row tile) evenly over
-the CTAs (FC1), then claims (unit, output row tile) jobs from a counter (FC2).
+The plan (``grouped_plan``), the phases of a call and the rings shared with
+sm_90a (``grouped_common``'s docstring: shared-memory map, full / posted
+rings, counters, what each phase waits on) are the same on both
+architectures; this module is Blackwell's MMA and its epilogue.
 
-What is Blackwell's here: the MMA and its accumulators. Each stage's two K
-blocks land in their own TMEM column groups (the unit's tokens on the UMMA N
-side, N = 16), so the epilogue can apply the non-power-of-two block scales
-(weight scale times token scale, from the gatherers' scale ring) and sum in
-FP32. Accumulators rotate through ``slots`` TMEM slots of 32 columns, so the
-MMA warp runs up to ``slots`` stages ahead of the epilogue.
+Warp roles (256 threads):
 
-Warp roles (256 threads): warp 0 the routing warp, then (lane 0) the weight
-producer; warp 1 allocates TMEM and issues the UMMAs; warps 2-3 gather B tiles
-and column scales; warps 4-7 quantize tokens, then read, scale and reduce the
-accumulators and close FC1 pairs / store FC2 rows.
+* warp 0: routes token ``cta`` (start of the call), then lane 0 is the
+  weight producer (``produce``);
+* warp 1: allocates all ``TMEM_COLUMNS`` of TMEM (its address in the
+  ``tmem`` region) and issues the UMMAs (``issue``);
+* warps 2-3: the B-tile gatherers (``gather``: stages g, g + 2, ...);
+* warps 4-7: quantize token ``cta`` (start of the call), then the epilogue
+  (``epilogue``): thread e owns TMEM lane (weight row) e of every slot
+  (warp % 4 is its lane quadrant).
+
+Rings: full[stages] (``grouped_common.FULL_ARRIVALS`` arrivals and the
+weights' transaction bytes), posted[posts] (1), empty[stages] with 1 arrival
+(the UMMA commit of the stage), and ``SLOTS`` accumulator slots of
+``COLUMNS`` TMEM columns: acc_full[slots] with 1 arrival (the UMMA commit of
+the slot; on END, lane 0 of warp 1) and acc_empty[slots] with 4 (lane 0 of
+each epilogue warp, once its warp's TMEM loads are fenced).
+
+The MMA warp, stage n: waits full[n % stages] (parity (n // stages) % 2),
+reads the stage word, and for n >= slots waits acc_empty[n % slots] (parity
+(n // slots - 1) % 2); then ``fence.proxy.async`` (the B rows are cp.async
+writes), one elected lane issues the DEPTH K blocks, each a K = 128 FP8 UMMA
+(M = 128 weight rows, N = GROUP tokens) into columns ``d * GROUP`` of the
+slot, and commits the weight stage to empty[n % stages] and the slot to
+acc_full[n % slots]. So the MMA runs up to ``slots`` stages ahead of the
+epilogue, which is why the scale ring and the stage words outlive the
+weight stage by ``slots`` stages.
+
+The epilogue, stage n: waits acc_full[n % slots] (parity (n // slots) % 2),
+reads the stage word, loads the slot's 32 columns, scales each K block's
+column by the ring's column scale and sums into the up or gate (FC1) or
+output (FC2) values of the current piece, fences and arrives on
+acc_empty; a closing stage ends an FC1 pair piece (``close_pair``) or an
+FC2 job (``store_rows``).
+
+Measurements behind the choices: docs/notes/grouped-sm100.md.
 """
 
 from __future__ import annotations
 
-import tempfile
-
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32, Int64, Uint8, Uint32
-from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+from cutlass import Float32, Int32, Int64, Uint8, Uint32
 
 from kernels import grouped_plan as gp
 from kernels import moe_common as mc
 from kernels import ptx
-from kernels.grouped_common import THREADS, GroupedCommon, RowFragment, Tables
-from kernels.ptx import tcgen05 as tc
-from kernels.spec import (
-    CompiledKernel,
-    KernelSpec,
-    LaunchShape,
-    Param,
-    Workspace,
-    entry_from_ptx,
+from kernels.grouped_common import PARAMS as PARAMS
+from kernels.grouped_common import TENSOR_MAPS as TENSOR_MAPS
+from kernels.grouped_common import (
+    THREADS,
+    GroupedCommon,
+    RowFragment,
+    Tables,
+    check_spec,
+    compile_grouped,
+    unpack,
 )
-from runtime.constants import SMEM_LIMIT, TILE
+from kernels.grouped_common import workspaces as workspaces
+from kernels.ptx import tcgen05 as tc
+from kernels.spec import CompiledKernel, KernelSpec
+from runtime.constants import TILE
 
 ARCH = "sm_100a"
 ENTRY_PREFIX = "moe_grouped_sm100"
@@ -61,14 +85,6 @@ SLOTS = min(32, TMEM_COLUMNS // COLUMNS)
 #: UMMA instruction descriptor: E4M3 x E4M3 -> F32, M = 128 weight rows, N =
 #: GROUP tokens.
 IDESC = tc.instruction_desc_e4m3(TILE, gp.GROUP)
-
-#: ABI order (kernels/spec.py PARAMETER_NAMES); every parameter a pointer.
-PARAMS = (
-    "maps", "w13_scale", "w2_scale", "s13_scale", "s2_scale", "s13", "s2", "x", "logits",
-    "bias", "rows", "out", "shared_out", "final", "ids", "weights", "plan_x", "plan_s",
-    "hidden", "hscale", "partial", "counters",
-)  # fmt: skip
-TENSOR_MAPS = ("w13", "w2", "s13", "s2")
 
 
 def layout_of(plan: gp.GroupedPlan) -> gp.SmemLayout:
@@ -255,7 +271,7 @@ class GroupedKernel(GroupedCommon):
             tc.wait_tmem(t.acc_full(acc), (n // self.slots) % 2)
             word = Uint32(t.desc[n % self.posts])
             if word != Uint32(gp.END):
-                fc2, half, unit, tile, _, opens, closes = self.unpack(word)
+                fc2, half, unit, tile, _, opens, closes = unpack(word)
                 count = t.ucnt[unit]
                 # FC1 gate row tiles (pairs..2 * pairs - 1) sum into ``gate``; FC1 up
                 # tiles and every FC2 stage (its tile an output row tile) into ``up``.
@@ -292,85 +308,9 @@ GroupedKernel.kernel.set_name_prefix(
 )
 
 
-def workspaces(plan: gp.GroupedPlan) -> tuple[Workspace, ...]:
-    return gp.workspaces(plan.hidden, plan.inter, plan.experts, plan.top_k, plan.grid)
-
-
-def fake_arguments(plan: gp.GroupedPlan, logits_bf16: bool) -> list:
-    """Static-shaped stand-ins of the kernel's parameters (ABI order);
-    workspaces as flat arrays of their element type."""
-    e, h, i, m = plan.experts, plan.hidden, plan.inter, plan.tokens
-    ws = {w.name: w.bytes for w in workspaces(plan)}
-    shapes = {
-        "maps": (Uint8, (len(TENSOR_MAPS) * 128,)),
-        "w13_scale": (Float32, (e, 2 * i // TILE, h // TILE)),
-        "w2_scale": (Float32, (e, h // TILE, i // TILE)),
-        "s13_scale": (Float32, (1, 2 * i // TILE, h // TILE)),
-        "s2_scale": (Float32, (1, h // TILE, i // TILE)),
-        "s13": (Uint8, (h // TILE * 2 * i * TILE,)),
-        "s2": (Uint8, (i // TILE * h * TILE,)),
-        "x": (BFloat16, (m, h)),
-        "logits": (BFloat16 if logits_bf16 else Float32, (m, e)),
-        "bias": (Float32, (e,)),
-        "rows": (Int32, (TILE,)),
-        "out": (BFloat16, (plan.routes, h)),
-        "shared_out": (BFloat16, (m, h)),
-        "final": (BFloat16, (m, h)),
-        "ids": (Int32, (plan.routes,)),
-        "weights": (Float32, (plan.routes,)),
-        "plan_x": (Uint8, (ws["plan_x"],)),
-        "plan_s": (Float32, (ws["plan_s"] // 4,)),
-        "hidden": (Uint8, (ws["hidden"],)),
-        "hscale": (Float32, (ws["hscale"] // 4,)),
-        "partial": (Float32, (ws["partial"] // 4,)),
-        "counters": (Int32, (ws["counters"] // 4,)),
-    }
-    return [make_fake_compact_tensor(*shapes[name], assumed_align=16) for name in PARAMS]
-
-
 def compile_kernel(spec: KernelSpec) -> CompiledKernel:
     """Compiles one grouped variant for sm_100a (no GPU needed; the process
     must have been started for sm_100a, see ``kernels.registry``)."""
-    if spec.kernel != "grouped" or spec.arch != ARCH:
-        raise ValueError(f"{__name__} builds grouped/{ARCH}, not {spec.kernel}/{spec.arch}")
-    kernel = GroupedKernel(spec)
-    plan, layout = kernel.plan, kernel.layout
-    with tempfile.TemporaryDirectory(prefix="moe-grouped-sm100-") as dump:
-        compiled = cute.compile(
-            kernel, *fake_arguments(plan, spec.logits_dtype == "bfloat16"), make_fake_stream(),
-            options=f"--keep-ptx --keep-cubin --dump-dir={dump}",
-        )  # fmt: skip
-        cubin, ptx_text = compiled.artifacts.CUBIN, compiled.artifacts.PTX
-    if not cubin or not ptx_text:
-        raise RuntimeError("the DSL kept no cubin/PTX for the grouped kernel")
-    notes = {
-        "stages": layout.stages,
-        "stage_bytes": layout.a_bytes,
-        "b_tile_bytes": layout.b_bytes,
-        "threads": THREADS,
-        "gatherers": GATHERERS,
-        "tmem_columns": TMEM_COLUMNS,
-        "accumulator_slots": layout.slots,
-        "idesc": f"{IDESC:#010x}",
-        "max_units": plan.max_units,
-        "fc2_jobs_per_claim": plan.chunk,
-        "smem_layout": {name: [off, size] for name, off, size in layout.regions()},
-        "smem_limit": SMEM_LIMIT[ARCH],
-        "resident_ctas_required": plan.grid,
-    }
-    return CompiledKernel(
-        cubin=bytes(cubin),
-        entry=entry_from_ptx(ptx_text, ENTRY_PREFIX),
-        params=tuple(Param(name, "pointer") for name in PARAMS),
-        launch=LaunchShape(
-            grid=(plan.grid, 1, 1),
-            block=(THREADS, 1, 1),
-            cluster=None,
-            smem=layout.total,
-            pdl=True,
-        ),
-        tensor_maps=TENSOR_MAPS,
-        workspace=workspaces(plan),
-        ptx=ptx_text,
-        notes=notes,
-    )
+    check_spec(spec, ARCH, __name__)
+    return compile_grouped(GroupedKernel(spec), ENTRY_PREFIX, tmem_columns=TMEM_COLUMNS,
+                           idesc=f"{IDESC:#010x}")  # fmt: skip

@@ -1,29 +1,39 @@
 """Grouped MoE kernel for Hopper (sm_90a): routed experts plus the shared
 expert of 8-64 decode tokens in one persistent kernel, one CTA per SM.
 
-The sm_100a kernel's plan, unchanged (``grouped_plan``, ``grouped_common``): CTA t
-routes and quantizes token t into a global plan; every CTA numbers the units
-(up to 16 tokens of one expert, the shared expert's first) and splits the FC1
-weight stages (two 128 x 128 K blocks of one row tile) evenly over the CTAs,
-pairs cut between CTAs finished by their owner from published FP32 partials;
-FC2 (unit, row tile) jobs are claimed from counters; above 40 units halves A
-and B; parity counters, so back-to-back calls and graph replays need no reset;
-optional in-kernel finalize.
+The plan (``grouped_plan``), the phases of a call and the rings shared with
+sm_100a (``grouped_common``'s docstring: shared-memory map, full / posted
+rings, counters, what each phase waits on) are the same on both
+architectures; this module is Hopper's MMA and its epilogue.
 
-What is Hopper's own is the MMA: warps 4-7 form the MMA warpgroup, which is
-also the epilogue (the accumulators live in its registers). Per stage it
-issues ``wgmma.mma_async m64n16k32`` FP8 (weights = A, 128 rows as two m64
-halves; the unit's 16 tokens = B, N = 16), four k32 steps per K block, each K
-block into its own accumulator set (2 K blocks x 2 halves x 8 registers), so
-the non-power-of-two block scales (weight block scale x the token's
-activation or hidden scale, from the gatherers' scale ring) are applied once
-per K block in FP32. ``wgmma.commit_group`` + ``wait_group 0``; once a
-thread has also read the stage's column scales it arrives on the stage's
-empty barrier (all 128 arrive: see ``grouped_common.FULL_ARRIVALS``).
+Warp roles (256 threads):
 
-Roles (256 threads): warp 0 lane 0 the weight producer (TMA), warps 1-3 the
-B-tile gatherers (cp.async of quantized tokens / hidden rows, column scales),
-warps 4-7 the MMA warpgroup and epilogue.
+* warp 0: routes token ``cta`` (start of the call), then lane 0 is the
+  weight producer (``produce``: TMA of each stage's DEPTH weight boxes,
+  the FC2 job claims);
+* warps 1-3: the B-tile gatherers (``gather``: stages g, g + 3, ...; cp.async
+  of quantized tokens / hidden rows, column scales into the scale ring);
+* warps 4-7: quantize token ``cta`` (start of the call), then the MMA
+  warpgroup, which is also the epilogue (``consume``: the accumulators live
+  in its registers).
+
+Rings: full[stages] (``grouped_common.FULL_ARRIVALS`` = 1 + 32 + 32 arrivals
+and the weights' transaction bytes), posted[posts] (1), and empty[stages]
+with ``EPILOGUE_THREADS`` = 128 arrivals: every MMA thread arrives once it has
+waited for its stage's wgmma chain and read the stage's column scales. No
+accumulator slots (``SmemLayout.slots`` = 0: no acc_full / acc_empty).
+
+The consumer, stage n: waits full[n % stages] (parity (n // stages) % 2),
+reads the stage word, ``fence.proxy.async`` (the B rows are cp.async
+writes), issues ``wgmma.mma_async m64n16k32`` FP8 (weights = A, 128 rows as
+two m64 halves; the unit's 16 tokens = B, N = 16), four k32 steps per K
+block, each K block into its own accumulator set (2 K blocks x 2 halves x 8
+registers), ``wgmma.commit_group`` + ``wait_group 0``; reads the column
+scales, arrives on empty[n % stages], then applies the non-power-of-two
+block scales (weight block scale x the token's activation or hidden scale)
+once per K block in FP32 into the running up / gate (FC1) or output (FC2)
+values. A closing stage ends an FC1 pair piece (``close_pair``) or an FC2
+job (``store_rows``).
 
 Accumulator fragment (``wgmma`` ``m64nNk32``): thread e (warp w = e // 32,
 lane l) holds, per 64-row half h, physical rows 16 w + l // 4 and + 8, tokens
@@ -33,45 +43,8 @@ thread stores two adjacent output elements per token (one BF16x2 word, one
 FP8 pair); the ``rows`` table is not read (the shuffle is the layout's
 contract, docs/semantics.md, "Weight layout").
 
-Choices and why (measured on the H200, 2026-11-29, glm5 shard: H 4096,
-I 512, 288 experts, top-8, one CTA per SM of the H200):
-
-* K-block partials in separate accumulator sets, no wait between K blocks of
-  a stage, one ``wait_group 0`` per stage: the consumer is not the bottleneck
-  (a 32 KiB stage must be consumed in ~1 us to keep up with HBM; the 16 wgmma
-  of a stage plus its scaled sums take a fraction of that), so the simpler
-  non-overlapped chain was kept. 118-124 registers, no local memory.
-* Weight stages of 32 KiB (DEPTH 2 K blocks) as on sm_100a; the ring is as
-  deep as ``runtime.constants.SMEM_LIMIT['sm_90a']`` allows: 6 stages at
-  M <= 16, 5 above (the unit tables grow with M).
-* Three gatherer warps (the sm_100a kernel has two beside a TMEM/UMMA warp, which
-  Hopper does not need).
-* Weight TMA loads carry an L2 evict-first policy (1-3% faster at every M).
-* Graph replays of 20 calls (median of 7), weights + scales of the distinct
-  experts plus the shared expert (``MoEShape.expert_bytes`` each), random
-  routing (bias N(0, 0.1)); copy bandwidth 4.26 TB/s:
-
-  ===  =========  =======  ======  =================
-  M    time (us)  experts  TB/s    of copy bandwidth
-  ===  =========  =======  ======  =================
-  8    84.8       48       3.56    0.84
-  16   124.0      74       3.76    0.88
-  32   162.2      99       3.84    0.90
-  48   178.1      109      3.85    0.90
-  64   230.7      142      3.87    0.91
-  ===  =========  =======  ======  =================
-
-  The in-kernel finalize adds 2.5-4 us (measured without the L2 hint:
-  M = 8 87.5 -> 90.0 us, M = 64 233.2 -> 235.8 us).
-* Every consumer thread and every gatherer lane arrives on the ring
-  barriers itself (racecheck-clean; it flagged the lane-0 handoff). Not A/B
-  measured; ``moe-build bench`` before and after (random routing, M = 8, 16,
-  32, 48, 64): 88.2, 123.0, 163.8, 201.9, 208.3 us at dfd2f84 and 89.8,
-  120.0, 172.7, 207.3, 213.8 us at b0b1423 (other weights and inputs each
-  run; ``benchmarks/results/``).
-* Accuracy: relative L2 error 0.002-0.006 against the float32 reference on
-  the kernel's expert choice (activation codes bit-exact; ~1.3% of hidden
-  FP8 codes differ from a float64 reference, from accumulation order).
+Measurements behind the choices (ring depth, gatherer count, L2 policy,
+timings, accuracy): docs/notes/grouped-sm90.md.
 """
 
 from __future__ import annotations
@@ -91,20 +64,20 @@ from kernels.grouped_common import (
     Fragment,
     GroupedCommon,
     Tables,
+    check_spec,
+    compile_grouped,
+    unpack,
 )
+from kernels.grouped_common import PARAMS as PARAMS
+from kernels.grouped_common import TENSOR_MAPS as TENSOR_MAPS
+from kernels.grouped_common import workspaces as workspaces
 from kernels.grouped_plan import DEPTH, END, GROUP, STAGE_BYTES, GroupedPlan
 from kernels.ptx import wgmma
-from kernels.spec import PARAMETER_NAMES, CompiledKernel, KernelSpec, LaunchShape, Param
-from runtime.constants import SMEM_LIMIT, TILE
+from kernels.spec import CompiledKernel, KernelSpec
+from runtime.constants import TILE
 
 ENTRY = "moe_grouped_sm90"
 ARCH = "sm_90a"
-PARAMS = (
-    "maps", "w13_scale", "w2_scale", "s13_scale", "s2_scale", "s13", "s2", "x", "logits",
-    "bias", "rows", "out", "shared_out", "final", "ids", "weights", "plan_x", "plan_s",
-    "hidden", "hscale", "partial", "counters",
-)  # fmt: skip
-TENSOR_MAPS = ("w13", "w2", "s13", "s2")
 GATHERERS = 3  # warps 1-3
 MMA_WARP = 4  # first warp of the MMA warpgroup (a multiple of 4)
 HALVES = TILE // 64  # m64 instructions per 128-row tile
@@ -146,12 +119,6 @@ class GroupedMoeSm90(GroupedCommon):
         plan = GroupedPlan.from_spec(spec)
         layout = gp.fit_layout(plan, ARCH, GATHERERS, slots=0)
         super().__init__(spec, layout)
-
-    def launch_shape(self) -> LaunchShape:
-        return LaunchShape(
-            grid=(self.grid, 1, 1), block=(THREADS, 1, 1), cluster=None,
-            smem=self.layout.total, pdl=True,
-        )  # fmt: skip
 
     # -- host ----------------------------------------------------------------------------
 
@@ -286,7 +253,7 @@ class GroupedMoeSm90(GroupedCommon):
                 # The stage (weights, B tile, word, scales) is read: each
                 # thread frees it for itself (see FULL_ARRIVALS).
                 ptx.mbarrier_arrive(t.empty(slot))
-                fc2, half, unit, tile, kb, opens, closes = self.unpack(word)
+                fc2, half, unit, tile, kb, opens, closes = unpack(word)
                 if opens:
                     opened = n
                     for i in cutlass.range_constexpr(v):
@@ -349,68 +316,9 @@ class GroupedMoeSm90(GroupedCommon):
 
 
 def compile_kernel(spec: KernelSpec) -> CompiledKernel:
-    """Compiles one grouped variant for sm_90a (no GPU needed); ``CUTE_DSL_ARCH``
-    must have been sm_90a when cutlass was first imported."""
-    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
-
-    assert spec.kernel == "grouped" and spec.arch == ARCH, spec
-    assert os.environ.get("CUTE_DSL_ARCH") == ARCH, "compile in an sm_90a process"
-    assert all(p in PARAMETER_NAMES for p in PARAMS)
-    kernel = GroupedMoeSm90(spec)
-    plan = kernel.plan
-    e, h, i, m, k = spec.experts, spec.hidden, spec.inter, spec.tokens, spec.top_k
-    logits_dtype = cutlass.BFloat16 if spec.logits_dtype == "bfloat16" else Float32
-    sizes = {w.name: w.bytes for w in kernel_workspaces(spec)}
-
-    def fake(dtype, *shape, align=16):
-        return make_fake_compact_tensor(dtype, shape, assumed_align=align)
-
-    args = (
-        fake(cutlass.Uint8, len(TENSOR_MAPS) * 128, align=64),  # maps
-        fake(Float32, e, 2 * i // TILE, h // TILE),  # w13_scale
-        fake(Float32, e, h // TILE, i // TILE),  # w2_scale
-        fake(Float32, 1, 2 * i // TILE, h // TILE),  # s13_scale
-        fake(Float32, 1, h // TILE, i // TILE),  # s2_scale
-        fake(cutlass.Uint8, h * 2 * i),  # s13
-        fake(cutlass.Uint8, i * h),  # s2
-        fake(cutlass.BFloat16, m, h),  # x
-        fake(logits_dtype, m, e),  # logits
-        fake(Float32, e),  # bias
-        fake(Int32, TILE),  # rows
-        fake(cutlass.BFloat16, m * k, h),  # out
-        fake(cutlass.BFloat16, m, h),  # shared_out
-        fake(cutlass.BFloat16, m, h),  # final
-        fake(Int32, m * k),  # ids
-        fake(Float32, m * k),  # weights
-        *(fake(cutlass.Uint8, sizes[n]) for n in ("plan_x", "plan_s", "hidden", "hscale")),
-        fake(cutlass.Uint8, sizes["partial"]),
-        fake(Int32, sizes["counters"] // 4),
-    )
-    compiled = cute.compile(kernel, *args, make_fake_stream())
-    cubin = compiled.artifacts.CUBIN
-    if cubin is None:
-        raise RuntimeError("no cubin: set CUTE_DSL_KEEP=ptx,cubin before importing cutlass")
-    layout = kernel.layout
-    return CompiledKernel(
-        cubin=bytes(cubin),
-        entry=f"{ENTRY}_0",
-        params=tuple(Param(name, "pointer") for name in PARAMS),
-        launch=kernel.launch_shape(),
-        tensor_maps=TENSOR_MAPS,
-        workspace=kernel_workspaces(spec),
-        ptx=compiled.artifacts.PTX,
-        notes={
-            "stages": layout.stages,
-            "stage_bytes": layout.a_bytes + layout.b_bytes,
-            "smem_limit": SMEM_LIMIT[ARCH],
-            "threads": THREADS,
-            "gatherers": GATHERERS,
-            "max_units": plan.max_units,
-            "fc2_chunk": plan.chunk,
-            "smem_layout": {name: offset for name, offset, _ in layout.regions()},
-        },
-    )
-
-
-def kernel_workspaces(spec: KernelSpec):
-    return gp.workspaces(spec.hidden, spec.inter, spec.experts, spec.top_k, spec.sms)
+    """Compiles one grouped variant for sm_90a (no GPU needed; the process
+    must have been started for sm_90a, see ``kernels.registry``)."""
+    check_spec(spec, ARCH, __name__)
+    if os.environ.get("CUTE_DSL_ARCH") != ARCH:
+        raise RuntimeError(f"compile {__name__} in a process started for {ARCH}")
+    return compile_grouped(GroupedMoeSm90(spec), ENTRY)

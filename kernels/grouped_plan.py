@@ -1,4 +1,4 @@
-"""Host-side formulas of the grouped kernel (pure Python: no cutlass, no torch).
+"""The grouped kernel's plan and formulas (pure Python: no cutlass, no torch).
 
 The grouped kernel (one persistent CTA per SM) cuts one call's work into
 *units*: up to ``GROUP`` tokens of one expert, the shared expert's units first
@@ -17,16 +17,28 @@ in *stages* of ``DEPTH`` K blocks (128 x 128 FP8 boxes) of one row tile:
 * Above ``SPLIT_UNITS`` units both lists are cut into halves A and B and every
   CTA runs FC1(A), FC1(B), FC2(A), FC2(B).
 
-The device code (``grouped_common``) computes the same things with the same
-formulas; this module is their statement in plain Python, used for workspace
-sizes, shared-memory layouts and the tests that check the formulas against
-brute-force enumeration.
+The formulas the device runs are written here once, for Python integers and
+for the DSL's integers alike (arithmetic and comparisons only; a select, a
+branch, min or popcount is passed in: ``pick``, ``choose``, ``min`` and
+``int.bit_count`` on the host, the DSL's on the device; Python branches only
+on values fixed at compile time), so
+the CPU tests of this module exercise the code the cubins contain:
+``grouped_common`` calls ``ranges``, ``locate``, ``describe`` (``pack``),
+``unpack``, ``fc2_word``, ``job_of``, ``pair_of``, ``pair_owners``
+(``owner``), ``weight_box``, ``scale_index``, ``mask_slot``, ``rank_in_mask``,
+``units_of``, ``unit_size``, ``ring_index``, ``b_chunk``, ``partial_slot``,
+``pair_counter``, ``zero_share``, ``call_parity`` and ``call_limit`` itself.
+The rest (workspace sizes, the shared-memory layout, unit capacity) sizes
+what the kernels are compiled with; ``number_units``, ``pieces`` and
+``close_pair`` replay the device's unit tables and pair closes on the host
+with the same formulas, for the tests.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from kernels.smem import Regions, ceil_div
 from kernels.spec import Workspace
 from runtime.constants import MAX_TOKENS, SMEM_LIMIT, TILE
 from runtime.constants import SMEM_OPTIN as SMEM_OPTIN  # re-exported for its readers
@@ -56,10 +68,6 @@ END = 0xFFFFFFFF
 MAX_STAGES, MIN_STAGES = 12, 4
 
 
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def unit_capacity(experts: int, top_k: int, tokens: int = MAX_TOKENS, group: int = GROUP) -> int:
     """Most units a call of ``tokens`` tokens can have (any routing), with
     units of ``group`` tokens.
@@ -76,26 +84,39 @@ def unit_capacity(experts: int, top_k: int, tokens: int = MAX_TOKENS, group: int
 
 
 def chunk_jobs(tokens: int) -> int:
-    """FC2 jobs per claim: fewer unit switches against a finer tail balance
-    (figures recorded on a B200 with the Blackwell kernel the grouped kernels
-    were ported from: 8 tokens 59 vs 65 us at 2 vs 8; 64 tokens 174 vs 181 us
-    at 8 vs 2)."""
+    """FC2 jobs per claim: 2 up to 16 tokens, 8 above (fewer unit switches
+    against a finer tail balance; docs/notes/grouped-sm100.md has the
+    figures)."""
     return 2 if tokens <= 16 else 8
 
 
 # Counters ------------------------------------------------------------------
 
 
-def call_parity(calls: int, grid: int) -> int:
+def call_parity(calls, grid: int):
     """The counter block a call uses, from the call counter a CTA reads at its
     start: CTAs of the call before have all counted (``griddepcontrol.wait``),
-    CTAs of this one at most ``grid - 1`` times (the reader has not)."""
+    CTAs of this one at most ``grid - 1`` times (the reader has not). The
+    device runs this on the word it loads."""
     return calls // grid
 
 
+def call_limit(grid: int) -> int:
+    """The limit of every CTA's ``atom.inc`` on the call counter at the end
+    of a call: the counter runs 0 .. 2 * grid - 1, then wraps to 0."""
+    return 2 * grid - 1
+
+
 def count_call(calls: int, grid: int) -> int:
-    """The call counter after one CTA's ``atom.inc`` with limit 2 * grid - 1."""
-    return 0 if calls >= 2 * grid - 1 else calls + 1
+    """The call counter after one CTA's ``atom.inc`` with limit ``call_limit``
+    (PTX: ``old >= limit ? 0 : old + 1``)."""
+    return 0 if calls >= call_limit(grid) else calls + 1
+
+
+def zero_share(words: int, grid: int) -> int:
+    """Words of the other parity's counter block each CTA zeroes at its start:
+    CTA c the words c * share .. (c + 1) * share - 1 that lie in the block."""
+    return ceil_div(words, grid)
 
 
 @dataclass(frozen=True)
@@ -223,7 +244,8 @@ class SmemLayout:
     sm_100a; 0 on sm_90a, where the MMA warpgroup is the epilogue). Rings:
     ``ring`` stages of column scales (DEPTH * GROUP floats each), ``posts``
     stage words; barriers: full[stages], empty[stages], acc_full[slots],
-    acc_empty[slots], posted[posts]."""
+    acc_empty[slots], posted[posts]. ``placed``: the regions as the shared
+    builder (``kernels.smem.Regions``) placed them."""
 
     stages: int
     slots: int
@@ -250,13 +272,20 @@ class SmemLayout:
     off_bar: int
     off_tmem: int
     total: int
+    placed: Regions = field(default_factory=Regions, compare=False, repr=False)
 
     def regions(self) -> list[tuple[str, int, int]]:
-        """(name, offset, bytes) of every region, in address order."""
+        """(name, offset, bytes up to the next region or the total) of every
+        region, in address order."""
         names = [n[4:] for n in self.__dataclass_fields__ if n.startswith("off_")]
         starts = [getattr(self, "off_" + n) for n in names]
         ends = starts[1:] + [self.total]
         return [(n, s, e - s) for n, s, e in zip(names, starts, ends, strict=True)]
+
+    def table(self) -> dict[str, list[int]]:
+        """name -> [offset, bytes] of every region (the compile notes'
+        ``smem_layout``, as for the mega kernels)."""
+        return self.placed.table()
 
 
 #: Scalars in the ``scal`` region (int32 indices).
@@ -268,15 +297,6 @@ SCALARS = 16
 def smem_layout(plan: GroupedPlan, stages: int, gatherers: int, slots: int = 0) -> SmemLayout:
     """The shared-memory layout at ``stages`` weight stages."""
     w = GROUP
-    offset = 0
-
-    def take(size: int, align: int = 16) -> int:
-        nonlocal offset
-        offset = ceil_div(offset, align) * align
-        start = offset
-        offset += size
-        return start
-
     a_bytes = DEPTH * STAGE_BYTES
     b_bytes = DEPTH * w * TILE
     # The scale ring and stage words are read up to ``stages + slots`` stages
@@ -285,28 +305,27 @@ def smem_layout(plan: GroupedPlan, stages: int, gatherers: int, slots: int = 0) 
     ring = slots + stages + 2
     posts = slots + stages + 2
     bars = 2 * stages + 2 * slots + posts
-    off = {}
-    off["w"] = take(stages * a_bytes, 1024)
-    off["b"] = take(stages * b_bytes, 1024)
-    off["ring"] = take(ring * DEPTH * w * 4)
-    off["hs"] = take(gatherers * w * plan.nk2 * 4)
-    off["amax"] = take(4 * w * 4)
-    off["picks"] = take(plan.routes * 4)
-    off["mask"] = take(plan.experts * 8)
-    off["eoff"] = take(plan.experts * 4)
-    off["uexp"] = take(plan.max_units * 4)
-    off["uoff"] = take(plan.max_units * 4 + 4)
-    off["ucnt"] = take(plan.max_units * 4)
-    off["flat"] = take((plan.routes + plan.tokens) * 4)
-    off["scal"] = take(SCALARS * 4)
-    off["desc"] = take(posts * 4)
-    off["bar"] = take(bars * 8, 8)
-    off["tmem"] = take(16)
-    total = ceil_div(offset, 1024) * 1024
+    r = Regions()
+    r.take("w", stages * a_bytes, 1024)
+    r.take("b", stages * b_bytes, 1024)
+    r.take("ring", ring * DEPTH * w * 4)
+    r.take("hs", gatherers * w * plan.nk2 * 4)
+    r.take("amax", 4 * w * 4)
+    r.take("picks", plan.routes * 4)
+    r.take("mask", plan.experts * 8)
+    r.take("eoff", plan.experts * 4)
+    r.take("uexp", plan.max_units * 4)
+    r.take("uoff", plan.max_units * 4 + 4)
+    r.take("ucnt", plan.max_units * 4)
+    r.take("flat", (plan.routes + plan.tokens) * 4)
+    r.take("scal", SCALARS * 4)
+    r.take("desc", posts * 4)
+    r.take("bar", bars * 8, 8)
+    r.take("tmem", 16)
     return SmemLayout(
         stages=stages, slots=slots, gatherers=gatherers, ring=ring, posts=posts, bars=bars,
-        a_bytes=a_bytes, b_bytes=b_bytes, total=total,
-        **{"off_" + k: v for k, v in off.items()},
+        a_bytes=a_bytes, b_bytes=b_bytes, total=ceil_div(r.end, 1024) * 1024, placed=r,
+        **{"off_" + k: v for k, v in r.offsets.items()},
     )  # fmt: skip
 
 
@@ -322,7 +341,74 @@ def fit_layout(plan: GroupedPlan, arch: str, gatherers: int, slots: int = 0) -> 
     raise ValueError(f"{MIN_STAGES} stages need {need} B of shared memory; {arch} allows {limit}")
 
 
-# Stage ranges and ownership (mirrors of the device code) ------------------------------
+def ring_index(layout: SmemLayout, n, d: int, token):
+    """Float index in the scale ring of the column scale of K block ``d``,
+    token ``token`` of stage ``n`` (the gatherers write it, the MMA consumer
+    or epilogue reads it)."""
+    return (n % layout.ring) * (DEPTH * GROUP) + d * GROUP + token
+
+
+def b_chunk(d: int, row, chunk):
+    """Byte offset, within a stage's B tile, of 16-byte chunk ``chunk`` of
+    token row ``row`` of K block ``d`` (DEPTH tiles of GROUP rows x 128 K
+    bytes; 128-byte swizzle: chunk c of row r is stored at c ^ (r % 8))."""
+    return (d * GROUP + row) * TILE + (chunk ^ (row % 8)) * 16
+
+
+# -- formulas the kernels run (Python or DSL integers) --------------------------------------
+
+
+def pick(cond, a, b):
+    """``a`` if ``cond`` else ``b``: the select the formulas take on the host
+    (the device passes the DSL's, ``grouped_common.select``)."""
+    return a if cond else b
+
+
+def choose(cond, then, other):
+    """``then()`` if ``cond`` else ``other()``: the branch the formulas take on
+    the host, for values only one side may compute or load (the device passes
+    a DSL branch, ``grouped_common.branch``; both sides return the same types)."""
+    return then() if cond else other()
+
+
+def _word(value) -> int:
+    """A field or flag as a Python int: the formulas' word conversion on the
+    host (the device passes ``Uint32``)."""
+    return int(value)
+
+
+# Unit numbering -----------------------------------------------------------------------------
+
+
+def units_of(routes):
+    """Units of an expert with ``routes`` routes (one per started GROUP)."""
+    return (routes + GROUP - 1) // GROUP
+
+
+def unit_size(count, first, minimum=min):
+    """Tokens of the unit that starts at the ``first``-th of ``count`` routes
+    (or tokens, for the shared expert)."""
+    return minimum(count - first, GROUP)
+
+
+def mask_slot(expert, token):
+    """(word, bit) of ``token`` in the route masks: expert e's tokens are
+    words 2e (tokens 0-31) and 2e + 1 (tokens 32-63) of ``mask``."""
+    return 2 * expert + token // 32, token % 32
+
+
+def rank_in_mask(token, low, high, popc=int.bit_count, branch=choose, word=_word):
+    """How many of an expert's tokens come before ``token``, from its mask
+    words ``low`` (tokens 0-31) and ``high()`` (32-63, read only for a token
+    >= 32): the route's row in the expert's part of ``flat``."""
+    return branch(
+        token < 32,
+        lambda: popc(low & ((word(1) << word(token)) - word(1))),
+        lambda: popc(low) + popc(high() & ((word(1) << word(token - 32)) - word(1))),
+    )
+
+
+# Stage ranges and ownership ------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -341,8 +427,18 @@ class Ranges:
     j2b: int
 
 
-def ranges(plan: GroupedPlan, units: int, cta: int) -> Ranges:
-    split = (units + 1) // 2 if units > SPLIT_UNITS else units
+#: The ``scal`` index of every ``Ranges`` field, in the order the device stores them.
+RANGE_SCALARS = {
+    "units": S_UNITS, "split": S_SPLIT, "s1a": S_S1A, "s1b": S_S1B, "lo1a": S_LO1A,
+    "lo1b": S_LO1B, "j2a": S_J2A, "j2b": S_J2B, "n1a": S_N1A, "n1b": S_N1B,
+}  # fmt: skip
+
+
+def ranges(plan: GroupedPlan, units, cta, select=pick) -> Ranges:
+    """CTA ``cta``'s ranges in a call of ``units`` units: above SPLIT_UNITS
+    units half A holds the first ceil(units / 2); each half's stages are cut
+    into ``grid`` contiguous ranges, CTA c's from c * size // grid."""
+    split = select(units > SPLIT_UNITS, (units + 1) // 2, units)
     s1a = split * plan.unit1
     s1b = (units - split) * plan.unit1
     g = plan.grid
@@ -354,66 +450,140 @@ def ranges(plan: GroupedPlan, units: int, cta: int) -> Ranges:
     )  # fmt: skip
 
 
-def owner(s: int, size: int, grid: int) -> int:
+def owner(plan: GroupedPlan, s, size):
     """The CTA whose range of a ``size``-stage half holds stage ``s``."""
-    return ((s + 1) * grid - 1) // size
+    return ((s + 1) * plan.grid - 1) // size
 
 
-def locate(plan: GroupedPlan, r: Ranges, n: int) -> tuple[int, int, int, int, int]:
+def locate(plan: GroupedPlan, r: Ranges, n, select=pick, branch=choose):
     """(half, unit, row tile, K block, stage index in its half) of a CTA's
     n-th FC1 stage: stage q of a unit holds K blocks DEPTH * ((q % span) // 2)
-    on of pair q // span, its up tile (even q) or gate tile (odd q)."""
-    if n < r.n1a:
-        half, s = 0, r.lo1a + n
-        unit = s // plan.unit1
-    else:
-        half, s = 1, r.lo1b + n - r.n1a
-        unit = r.split + s // plan.unit1
+    on of pair q // span, its up tile (even q) or gate tile (odd q). Half B's
+    range is read only for a stage in half B."""
+    in_b = n >= r.n1a
+    s = r.lo1a + n
+    unit = s // plan.unit1
+
+    def half_b():
+        s_b = r.lo1b + n - r.n1a
+        return s_b, r.split + s_b // plan.unit1
+
+    s, unit = branch(in_b, half_b, lambda: (s, unit))
+    half = select(in_b, 1, 0)
     q = s % plan.unit1
     tile = q // plan.span + plan.pairs * (q % 2)
     kb = DEPTH * ((q % plan.span) // 2)
     return half, unit, tile, kb, s
 
 
-def pack(fc2: bool, half: int, unit: int, tile: int, kb: int, opens: bool, closes: bool) -> int:
-    assert 0 <= unit < 1 << UNIT_BITS and 0 <= tile < 1 << TILE_BITS and 0 <= kb < 1 << KB_BITS
+def pack(fc2, half, unit, tile, kb, opens, closes, word=_word):
+    """The stage word of these fields (``word``: the conversion of a field to
+    the word's integer type)."""
+    if word is _word:
+        assert 0 <= unit < 1 << UNIT_BITS and 0 <= tile < 1 << TILE_BITS
+        assert 0 <= kb < 1 << KB_BITS
     return (
-        unit | tile << SHIFT_TILE | kb << SHIFT_KB | int(fc2) << BIT_FC2 | half << BIT_HALF
-        | int(opens) << BIT_OPENS | int(closes) << BIT_CLOSES
+        word(unit) | word(tile) << SHIFT_TILE | word(kb) << SHIFT_KB | word(fc2) << BIT_FC2
+        | word(half) << BIT_HALF | word(opens) << BIT_OPENS | word(closes) << BIT_CLOSES
     )  # fmt: skip
 
 
-def unpack(word: int) -> tuple[bool, int, int, int, int, bool, bool]:
-    """(FC2, half, unit, row tile, K block, opens, closes) of a stage word."""
+def unpack(word, field=_word):
+    """(FC2, half, unit, row tile, K block, opens, closes) of a stage word
+    (``field``: the conversion of a field to the caller's integer type)."""
     return (
-        bool(word >> BIT_FC2 & 1), word >> BIT_HALF & 1, word & (1 << UNIT_BITS) - 1,
-        word >> SHIFT_TILE & (1 << TILE_BITS) - 1, word >> SHIFT_KB & (1 << KB_BITS) - 1,
-        bool(word >> BIT_OPENS & 1), bool(word >> BIT_CLOSES & 1),
+        ((word >> BIT_FC2) & 1) != 0, field((word >> BIT_HALF) & 1),
+        field(word & ((1 << UNIT_BITS) - 1)),
+        field((word >> SHIFT_TILE) & ((1 << TILE_BITS) - 1)),
+        field((word >> SHIFT_KB) & ((1 << KB_BITS) - 1)),
+        ((word >> BIT_OPENS) & 1) != 0, ((word >> BIT_CLOSES) & 1) != 0,
     )  # fmt: skip
 
 
-def describe(plan: GroupedPlan, r: Ranges, n: int) -> int:
+def describe(plan: GroupedPlan, r: Ranges, n, select=pick, branch=choose, word=_word):
     """A CTA's n-th FC1 stage word. A piece of a pair opens at the pair's
     first stage or the start of the CTA's range in a half, and closes at the
     pair's last stage or the end of the range."""
-    half, unit, tile, kb, s = locate(plan, r, n)
-    n1 = r.n1a + r.n1b
-    opens = n == 0 or n == r.n1a or s % plan.span == 0
-    closes = n == r.n1a - 1 or n == n1 - 1 or s % plan.span == plan.span - 1
-    return pack(False, half, unit, tile, kb, opens, closes)
+    half, unit, tile, kb, s = locate(plan, r, n, select, branch)
+    n1a = r.n1a
+    opens = (n == 0) | (n == n1a) | (s % plan.span == 0)
+    closes = (n == n1a - 1) | (n == n1a + r.n1b - 1) | (s % plan.span == plan.span - 1)
+    return pack(False, half, unit, tile, kb, opens, closes, word)
+
+
+def fc2_word(plan: GroupedPlan, unit, tile, k: int, word=_word):
+    """The word of stage ``k`` (fixed at compile time) of FC2 job (unit,
+    output row tile): K blocks DEPTH * k on; the first opens, the last closes."""
+    return pack(True, 0, unit, tile, DEPTH * k, k == 0, k == plan.job - 1, word)
 
 
 def fc2_words(plan: GroupedPlan, unit: int, tile: int) -> list[int]:
     """The stage words of FC2 job (unit, output row tile)."""
-    return [
-        pack(True, 0, unit, tile, DEPTH * k, k == 0, k == plan.job - 1) for k in range(plan.job)
-    ]
+    return [fc2_word(plan, unit, tile, k) for k in range(plan.job)]
 
 
-def job_of(plan: GroupedPlan, r: Ranges, half: int, job: int) -> tuple[int, int]:
-    """(unit, output row tile) of FC2 job ``job`` of ``half``."""
-    first = 0 if half == 0 else r.split
+def job_of(plan: GroupedPlan, first, job):
+    """(unit, output row tile) of FC2 job ``job`` of the half whose first unit
+    is ``first`` (0 for half A, ``split`` for half B)."""
     return first + job // plan.tiles2, job % plan.tiles2
+
+
+def pair_of(plan: GroupedPlan, s, n, opened):
+    """(first stage of the pair in its half, pair, whether the piece is the
+    whole pair) of a CTA's piece of a pair that runs from its ``opened``-th
+    to its n-th stage, the n-th at index ``s`` of its half."""
+    start = s - (n - opened)
+    base = s - s % plan.span
+    whole = (start == base) & (s == base + plan.span - 1)
+    return base, s % plan.unit1 // plan.span, whole
+
+
+def pair_owners(plan: GroupedPlan, base, size):
+    """(first, last) CTA holding a stage of the pair whose first stage is
+    ``base`` in a ``size``-stage half; the first owns (finishes) the pair and
+    waits for last - first partials."""
+    return owner(plan, base, size), owner(plan, base + plan.span - 1, size)
+
+
+def partial_slot(plan: GroupedPlan, half, cta):
+    """Slot of the ``partial`` workspace where CTA ``cta`` publishes its FC1
+    partial of ``half`` (at most one per CTA and half)."""
+    return half * plan.grid + cta
+
+
+def pair_counter(plan: GroupedPlan, unit, pair):
+    """Word (in a parity block of ``counters``) counting the partials
+    published for pair ``pair`` of ``unit``."""
+    return plan.counters.pairs + unit * plan.pairs + pair
+
+
+# Weights ---------------------------------------------------------------------------------------
+
+
+def weight_box(plan: GroupedPlan, fc2, expert, tile, kb, select=pick):
+    """(tensor map, row tile, K-block coordinate) of a stage's weights, for
+    the unit's expert ``expert`` (-1: the shared expert): maps w13, w2, s13,
+    s2 are 0..3, viewed as (128 bytes, rows, experts * K blocks); the
+    stage's DEPTH boxes are at coordinates chunk .. chunk + DEPTH - 1."""
+    shared = expert < 0
+    safe = select(shared, 0, expert)
+    index = select(shared, 2, 0)
+    index = select(fc2, index + 1, index)
+    chunk = select(fc2, safe * plan.nk2 + kb, safe * plan.nk1 + kb)
+    return index, tile, chunk
+
+
+def scale_index(plan: GroupedPlan, fc2: bool, expert, tile, kb):
+    """Element index of the block scale of K block ``kb`` of row tile
+    ``tile`` of ``expert`` (>= 0; the shared expert's tensors have one) in
+    w13_scale [E, 2I/128, H/128] (FC1) or w2_scale [E, H/128, I/128] (FC2);
+    ``fc2`` is fixed at compile time."""
+    if fc2:
+        return (expert * plan.tiles2 + tile) * plan.nk2 + kb
+    return (expert * (2 * plan.pairs) + tile) * plan.nk1 + kb
+
+
+# Host checks built on the formulas ---------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -432,14 +602,11 @@ class Piece:
 def close_pair(plan: GroupedPlan, r: Ranges, cta: int, n_open: int, n: int) -> Piece:
     """What a CTA does at the close of its piece (stages n_open..n) of a pair."""
     half, unit, _, _, s = locate(plan, r, n)
+    base, pair, whole = pair_of(plan, s, n, n_open)
     start = s - (n - n_open)
-    base = s - s % plan.span
-    pair = s % plan.unit1 // plan.span
-    if start == base and s == base + plan.span - 1:
+    if whole:
         return Piece(half, unit, pair, start, s, "whole", 0)
-    size = r.s1a if half == 0 else r.s1b
-    first = owner(base, size, plan.grid)
-    last = owner(base + plan.span - 1, size, plan.grid)
+    first, last = pair_owners(plan, base, r.s1a if half == 0 else r.s1b)
     if cta != first:
         return Piece(half, unit, pair, start, s, "publish", 0)
     return Piece(half, unit, pair, start, s, "own", last - first)
@@ -457,9 +624,6 @@ def pieces(plan: GroupedPlan, units: int, cta: int) -> list[Piece]:
         if closes:
             out.append(close_pair(plan, r, cta, opened, n))
     return out
-
-
-# Unit numbering (mirror of the device code) -------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -485,26 +649,31 @@ class Units:
 
 
 def number_units(plan: GroupedPlan, ids: list[list[int]]) -> Units:
-    """Unit tables for ``ids`` [tokens][top_k] (the routing's experts)."""
-    tokens, k = plan.tokens, plan.top_k
+    """Unit tables for ``ids`` [tokens][top_k] (the routing's experts), built
+    the way the device builds them: route masks (``mask_slot``), units per
+    expert (``units_of``, ``unit_size``) and each route's rank among its
+    expert's (``rank_in_mask``)."""
+    tokens, k, experts = plan.tokens, plan.top_k, plan.experts
     assert len(ids) == tokens and all(len(row) == k for row in ids)
-    routes_of = [[] for _ in range(plan.experts)]
-    for t in range(tokens):
-        for j in range(k):
-            routes_of[ids[t][j]].append(t * k + j)
-    uexp, uoff, ucnt = [], [], []
+    mask = [0] * (2 * experts)
+    for r in range(plan.routes):
+        word, bit = mask_slot(ids[r // k][r % k], r // k)
+        mask[word] |= 1 << bit
+    counts = [mask[2 * e].bit_count() + mask[2 * e + 1].bit_count() for e in range(experts)]
+    units = plan.shared_units + sum(units_of(n) for n in counts)
+    uexp, uoff, ucnt = [0] * units, [0] * (units + 1), [0] * units
     for i in range(plan.shared_units):
-        uexp.append(-1)
-        uoff.append(i * GROUP)
-        ucnt.append(min(tokens - i * GROUP, GROUP))
-    flat, eoff = list(range(tokens)), []
-    for e in range(plan.experts):
-        eoff.append(len(flat))
-        mine = routes_of[e]
-        for i in range(0, len(mine), GROUP):
-            uexp.append(e)
-            uoff.append(len(flat) + i)
-            ucnt.append(min(len(mine) - i, GROUP))
-        flat += mine
-    uoff.append(len(flat))
+        uexp[i], uoff[i], ucnt[i] = -1, i * GROUP, unit_size(tokens, i * GROUP)
+    flat, eoff = list(range(tokens)) + [-1] * plan.routes, []
+    unit, start = plan.shared_units, tokens
+    for e in range(experts):
+        eoff.append(start)
+        for i in range(0, counts[e], GROUP):
+            uexp[unit], uoff[unit], ucnt[unit] = e, start + i, unit_size(counts[e], i)
+            unit += 1
+        start += counts[e]
+    uoff[units] = start
+    for r in range(plan.routes):
+        e = ids[r // k][r % k]
+        flat[eoff[e] + rank_in_mask(r // k, mask[2 * e], lambda e=e: mask[2 * e + 1])] = r
     return Units(uexp, uoff, ucnt, flat, eoff)

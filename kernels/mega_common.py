@@ -20,8 +20,6 @@ the hidden block (the sm_90a MMA warpgroup, the sm_100a epilogue warps),
 
 from __future__ import annotations
 
-import tempfile
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
@@ -36,7 +34,7 @@ from kernels.abi import (
     MEGA_ROUTED_PARAMS,
     fake_arguments,
 )
-from kernels.spec import entry_from_ptx
+from kernels.build_common import compile_entry
 from runtime.constants import TILE
 
 #: The group that quantizes the token and builds the hidden block.
@@ -260,21 +258,13 @@ def workspace(plan: mp.MegaPlan) -> dict[str, int]:
 
 def compile_mega(entry, plan: mp.MegaPlan, logits_dtype: str, prefix: str):
     """Compiles the jit function ``entry`` (the kernel object's launch) over
-    fake arguments of the variant's ABI; returns ``(cubin, ptx, entry
-    name, params, maps)``. The PTX and cubin come from a private dump
-    directory, whatever ``CUTE_DSL_KEEP`` says."""
-    from cutlass.cute.runtime import make_fake_stream
-
+    fake arguments of the variant's ABI (``kernels.build_common``); returns
+    ``(cubin, ptx, entry name, params, maps)``."""
     names, maps = abi(plan)
     args = fake_arguments(names, plan.hidden, plan.inter, plan.experts, plan.top_k, plan.tokens,
                           len(maps), logits_dtype, workspace(plan))  # fmt: skip
-    with tempfile.TemporaryDirectory(prefix=f"{prefix}-") as dump:
-        compiled = cute.compile(entry, *args, make_fake_stream(),
-                                options=f"--keep-ptx --keep-cubin --dump-dir={dump}")  # fmt: skip
-        cubin, ptx_text = compiled.artifacts.CUBIN, compiled.artifacts.PTX
-    if not cubin or not ptx_text:
-        raise RuntimeError(f"the DSL kept no cubin/PTX for {prefix}")
-    return bytes(cubin), ptx_text, entry_from_ptx(ptx_text, prefix), names, maps
+    cubin, ptx_text, name = compile_entry(entry, args, prefix)
+    return cubin, ptx_text, name, names, maps
 
 
 def notes(plan: mp.MegaPlan, threads: int, **extra) -> dict:

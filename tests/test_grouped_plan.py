@@ -1,4 +1,6 @@
-"""The grouped kernel's host formulas against brute-force enumeration."""
+"""The grouped kernel's formulas against brute-force enumeration. The
+device code calls these same functions (``grouped_plan``: written once for
+Python and DSL integers), so what is checked here is what the cubins run."""
 
 from __future__ import annotations
 
@@ -131,10 +133,32 @@ def test_number_units(tokens, skew):
 @pytest.mark.parametrize("size", [1, 5, 127, 128, 131, 132, 133, 1000, 5120, 39168])
 @pytest.mark.parametrize("grid", [1, 7, 132, 148])
 def test_owner_agrees_with_ranges(size, grid):
+    p = plan(grid=grid)
     lo = [c * size // grid for c in range(grid + 1)]
     for s in range(size):
-        c = gp.owner(s, size, grid)
+        c = gp.owner(p, s, size)
         assert lo[c] <= s < lo[c + 1]
+
+
+@pytest.mark.parametrize("units", [1, 2, 39, 40, 41, 42, 77, 306])
+def test_halves_split_above_split_units(units):
+    """Up to SPLIT_UNITS units one half holds them all; above, half A holds
+    ceil(units / 2) and half B the rest; every CTA's ranges tile each half
+    (CTA c from c * size // grid), and the FC2 job counts follow the halves."""
+    p = plan(grid=7)
+    split = units if units <= gp.SPLIT_UNITS else -(-units // 2)
+    rs = [gp.ranges(p, units, cta) for cta in range(p.grid)]
+    for cta, r in enumerate(rs):
+        assert (r.units, r.split) == (units, split)
+        assert (r.s1a, r.s1b) == (split * p.unit1, (units - split) * p.unit1)
+        assert (r.j2a, r.j2b) == (split * p.tiles2, (units - split) * p.tiles2)
+        assert (r.lo1a, r.lo1b) == (cta * r.s1a // p.grid, cta * r.s1b // p.grid)
+    for size, lo, count in (("s1a", "lo1a", "n1a"), ("s1b", "lo1b", "n1b")):
+        starts = [getattr(r, lo) for r in rs]
+        counts = [getattr(r, count) for r in rs]
+        assert [a + n for a, n in zip(starts, counts, strict=True)] == starts[1:] + [
+            getattr(rs[0], size)
+        ]
 
 
 def check_cover(p, units):
@@ -203,14 +227,88 @@ def test_fc1_cover_small_shapes():
 def test_fc2_jobs_cover_every_unit_tile(units):
     p = plan()
     r = gp.ranges(p, units, 0)
-    got = [gp.job_of(p, r, 0, j) for j in range(r.j2a)]
-    got += [gp.job_of(p, r, 1, j) for j in range(r.j2b)]
+    got = [gp.job_of(p, 0, j) for j in range(r.j2a)]
+    got += [gp.job_of(p, r.split, j) for j in range(r.j2b)]
     assert sorted(got) == [(u, t) for u in range(units) for t in range(p.tiles2)]
     words = gp.fc2_words(p, 3, 7)
     assert len(words) == p.job and p.job * gp.DEPTH == p.nk2
     parts = [gp.unpack(w) for w in words]
     assert [x[4] for x in parts] == list(range(0, p.nk2, gp.DEPTH))
     assert parts[0][5] and parts[-1][6] and all(x[0] and x[2:4] == (3, 7) for x in parts)
+
+
+@pytest.mark.parametrize("hidden,inter", [(4096, 512), (512, 768), (256, 256)])
+@pytest.mark.parametrize("expert", [-1, 0, 5, 31])
+def test_a_unit_streams_each_weight_box_of_its_expert_once(hidden, inter, expert):
+    """The weight boxes (``weight_box``) of a unit's FC1 stages (its
+    ``describe`` words) and of its FC2 jobs (``fc2_words``) are every box of
+    its expert's GEMM1 and GEMM2 weights exactly once, from the expert's
+    maps: w13 / w2 for a routed expert, s13 / s2 (expert 0) for the shared
+    one, K-block coordinate expert * K/128 + kb in the (128, rows,
+    experts * K/128) view."""
+    p = gp.GroupedPlan(hidden, inter, 32, 2, 16, 1)
+    r = gp.ranges(p, 1, 0)
+    words = [gp.describe(p, r, n) for n in range(r.n1a + r.n1b)]
+    words += [w for tile in range(p.tiles2) for w in gp.fc2_words(p, 0, tile)]
+    got = []
+    for word in words:
+        fc2, _, unit, tile, kb, _, _ = gp.unpack(word)
+        assert unit == 0
+        index, row_tile, chunk = gp.weight_box(p, fc2, expert, tile, kb)
+        got += [(index, row_tile, chunk + d) for d in range(gp.DEPTH)]
+    e, shared = max(expert, 0), 2 if expert < 0 else 0
+    want = [(shared, t, e * p.nk1 + k) for t in range(2 * p.pairs) for k in range(p.nk1)]
+    want += [(shared + 1, t, e * p.nk2 + k) for t in range(p.tiles2) for k in range(p.nk2)]
+    assert sorted(got) == sorted(want)
+
+
+@pytest.mark.parametrize("hidden,inter,experts", [(256, 256, 32), (512, 768, 64)])
+def test_scale_index_is_the_row_major_index_of_the_abi_shapes(hidden, inter, experts):
+    """``scale_index`` of (expert, row tile, K block) enumerates w13_scale
+    and w2_scale (kernels/abi.py shapes) in row-major order."""
+    from kernels.abi import shapes
+
+    p = gp.GroupedPlan(hidden, inter, experts, 2, 16, 1)
+    table = shapes(hidden, inter, experts, 2, 16, 4, "float32")
+    for fc2, name in ((False, "w13_scale"), (True, "w2_scale")):
+        _, shape, _ = table[name]
+        got = [gp.scale_index(p, fc2, e, t, k) for e, t, k in itertools.product(*map(range, shape))]
+        assert got == list(range(len(got)))
+
+
+def test_b_tile_chunks_are_a_128_byte_swizzle():
+    """A stage's B tile: DEPTH tiles of GROUP token rows x 128 K bytes; the
+    16-byte chunks of a row are a permutation of the row, chunk 0 of row r at
+    r % 8 (the 128-byte swizzle of the MMA's shared-memory descriptor)."""
+    seen = set()
+    for d in range(gp.DEPTH):
+        for row in range(gp.GROUP):
+            chunks = [gp.b_chunk(d, row, c) for c in range(8)]
+            base = (d * gp.GROUP + row) * TILE
+            assert sorted(chunks) == [base + 16 * c for c in range(8)]
+            assert chunks[0] == base + 16 * (row % 8)
+            seen.update(chunks)
+    assert len(seen) == gp.DEPTH * gp.GROUP * 8
+    assert max(seen) + 16 == gp.DEPTH * gp.GROUP * TILE  # the layout's b_bytes
+
+
+@pytest.mark.parametrize("gatherers,slots", [(3, 0), (2, 16)])
+def test_scale_ring_entries_live_a_whole_ring(gatherers, slots):
+    """``ring_index``: a stage's DEPTH x GROUP column scales are distinct
+    entries of the ring region, and no stage's entries are reused before
+    ``ring`` more stages were written (the readers lag at most stages +
+    slots < ring stages behind)."""
+    layout = gp.fit_layout(plan(), "sm_100a", gatherers, slots)
+    size = layout.ring * gp.DEPTH * gp.GROUP
+    entries = [
+        [gp.ring_index(layout, n, d, t) for d in range(gp.DEPTH) for t in range(gp.GROUP)]
+        for n in range(3 * layout.ring)
+    ]
+    assert all(0 <= i < size for stage in entries for i in stage)
+    for n in range(len(entries) - layout.ring + 1):
+        window = [i for stage in entries[n : n + layout.ring] for i in stage]
+        assert len(set(window)) == len(window) == size
+    assert layout.ring > layout.stages + layout.slots
 
 
 def test_pack_roundtrip_and_end():
@@ -223,6 +321,36 @@ def test_pack_roundtrip_and_end():
         )  # fmt: skip
         word = gp.pack(*fields)
         assert gp.unpack(word) == fields and word != gp.END
+
+
+# The device runs these formulas ------------------------------------------------------
+
+#: The formulas of ``grouped_plan`` the device code calls itself (its docstring's list).
+DEVICE_FORMULAS = (
+    "ranges", "locate", "describe", "unpack", "fc2_word", "job_of", "pair_of", "pair_owners",
+    "weight_box", "scale_index", "mask_slot", "rank_in_mask", "units_of", "unit_size",
+    "ring_index", "b_chunk", "partial_slot", "pair_counter", "zero_share", "call_parity",
+    "call_limit",
+)  # fmt: skip
+
+
+def test_the_device_code_calls_the_plan_formulas():
+    """Each formula is called as ``gp.<name>(...)`` by the device modules, so
+    the tests above exercise the code the kernels are compiled from (a copy
+    in the device code would leave them checking a bystander)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(gp.__file__).parent
+    called = set()
+    for name in ("grouped_common.py", "grouped_moe_sm90.py", "grouped_moe_sm100.py"):
+        for node in ast.walk(ast.parse((root / name).read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                if isinstance(node.func.value, ast.Name) and node.func.value.id == "gp":
+                    called.add(node.func.attr)
+    assert set(DEVICE_FORMULAS) <= called, sorted(set(DEVICE_FORMULAS) - called)
+    for name in DEVICE_FORMULAS:
+        assert f"``{name}``" in gp.__doc__, name
 
 
 # Call parity ---------------------------------------------------------------------------
@@ -279,14 +407,14 @@ SHAPES = [(4096, 512, 288, 8), (256, 256, 32, 2), (1024, 512, 64, 4), (2048, 102
 GRIDS = [1, 7, 114, 132, 148]
 
 
-def parity_words(c, pairs, units) -> dict[str, list[int]]:
+def parity_words(p, c, units) -> dict[str, list[int]]:
     """Word offsets inside one parity block of every counter the kernel
     keeps there (kernels/grouped_common.py: ready tokens at the block's
-    start, then pair arrivals unit * pairs + pair, unit readiness, the FC2
-    job counters of halves A and B, finished CTAs)."""
+    start, then pair arrivals ``pair_counter``, unit readiness, the FC2 job
+    counters of halves A and B, finished CTAs)."""
     return {
         "ready": [0],
-        "pairs": [c.pairs + u * pairs + q for u in range(units) for q in range(pairs)],
+        "pairs": [gp.pair_counter(p, u, q) for u in range(units) for q in range(p.pairs)],
         "unit_ready": [c.unit_ready + u for u in range(units)],
         "jobs": [c.jobs, c.jobs + 1],
         "finished": [c.finished],
@@ -303,7 +431,7 @@ def test_call_counter_and_parity_words_never_overlap(hidden, inter, experts, top
     pairs = inter // TILE
     units = gp.unit_capacity(experts, top_k)  # sized for MAX_TOKENS
     c = gp.counters(experts, top_k, pairs)
-    fields = parity_words(c, pairs, units)
+    fields = parity_words(gp.GroupedPlan(hidden, inter, experts, top_k, MAX_TOKENS, 1), c, units)
     block = [w for words in fields.values() for w in words]
     assert len(set(block)) == len(block), "two counters of one parity share a word"
     assert len(block) == 1 + units * pairs + units + 2 + 1  # the documented counters
@@ -319,7 +447,7 @@ def test_call_counter_and_parity_words_never_overlap(hidden, inter, experts, top
         assert max(blocks[1] | {c.calls}) < c.total
         # start_call: CTA ``cta`` zeroes words cta * per_cta .. of the other
         # parity's block. Together: that whole block, and never the call counter.
-        per_cta = gp.ceil_div(c.words, grid)
+        per_cta = gp.zero_share(c.words, grid)
         for parity in (0, 1):
             other = (1 - parity) * c.words
             zeroed = [other + cta * per_cta + i for cta in range(grid) for i in range(per_cta)
@@ -353,7 +481,7 @@ def test_partial_workspace_holds_every_published_partial(hidden, inter, experts,
     need, split_published = 0, False
     for units in unit_counts(p):
         for cta in range(grid):
-            slots = [piece.half * grid + cta
+            slots = [gp.partial_slot(p, piece.half, cta)
                      for piece in gp.pieces(p, units, cta) if piece.role == "publish"]  # fmt: skip
             assert len(slots) == len(set(slots))  # one per CTA and half
             for slot in slots:

@@ -70,10 +70,30 @@ def test_the_layout_the_kernel_builds_keeps_the_device_contract(tokens):
         assert gp.smem_layout(p, lay.stages + 1, lay.gatherers, lay.slots).total > limit
 
 
+@pytest.mark.parametrize("tokens", [8, 64])
+def test_notes_follow_the_mega_schema(tokens):
+    """The compile notes name what the mega kernels' notes name the same way
+    (``mega_common.notes``): ``smem_layout`` {name: [offset, bytes]} from the
+    layout builder, ``stages`` x ``stage_bytes`` the ring (weight and token
+    stages), and the FC2 claim size as ``fc2_jobs_per_claim``."""
+    k = kernel(tokens)
+    notes, lay = k.notes(), k.layout
+    for key in ("stages", "stage_bytes", "ctas_per_sm", "threads", "smem_layout", "smem_limit",
+                "fc2_jobs_per_claim", "accumulator_slots"):  # fmt: skip
+        assert key in notes, key
+    table = notes["smem_layout"]
+    assert table == lay.table() and [n for n, _, _ in lay.regions()] == list(table)
+    assert all(table[n][0] == o and table[n][1] <= size for n, o, size in lay.regions())
+    assert notes["stages"] * notes["stage_bytes"] == table["w"][1] + table["b"][1]
+    assert (notes["threads"], notes["ctas_per_sm"]) == (THREADS, 1)
+    assert notes["smem_limit"] == SMEM_LIMIT["sm_100a"] and notes["accumulator_slots"] == k.slots
+    assert notes["fc2_jobs_per_claim"] == k.plan.chunk
+
+
 def test_stage_counts_of_the_glm5_buckets():
-    # 36 KiB a stage (32 KiB of weights, 4 KiB of tokens): the seed's layout
-    # keeps at least 5 stages in flight at every bucket (the unit tables grow
-    # with the tokens, so smaller buckets may hold more).
+    # 36 KiB a stage (32 KiB of weights, 4 KiB of tokens): the layout keeps
+    # at least 5 stages in flight at every bucket (the unit tables grow with
+    # the tokens, so smaller buckets may hold more).
     stages = [kernel(m).layout.stages for m in BUCKETS]
     assert stages == sorted(stages, reverse=True), stages
     assert min(stages) >= 5, stages
@@ -83,7 +103,7 @@ def test_accumulators_fit_the_tmem_allocation():
     """Each stage's DEPTH K blocks get GROUP columns each (N = GROUP), the
     slots rotate through one allocation, which is a legal one (a power of two
     in 32..512) and, one CTA per SM, all of TMEM; as many slots as it holds,
-    at most the seed's 32."""
+    at most 32."""
     assert grouped.COLUMNS == gp.DEPTH * gp.GROUP
     columns = grouped.TMEM_COLUMNS
     assert columns == tc.TMEM_MAX_COLUMNS and columns & (columns - 1) == 0
@@ -183,4 +203,6 @@ def test_representative_glm5_grouped_buckets_build_for_sm100a(tmp_path):
         assert r["workspace"] == [[w.name, w.bytes, w.zero] for w in want]
         lay = grouped.layout_of(plan(r["tokens"]))
         assert r["smem"] == lay.total and r["notes"]["stages"] == lay.stages
-        assert r["notes"]["smem_layout"] == {n: [o, s] for n, o, s in lay.regions()}
+        assert r["notes"] == kernel(r["tokens"]).notes(
+            tmem_columns=grouped.TMEM_COLUMNS, idesc=f"{grouped.IDESC:#010x}"
+        )

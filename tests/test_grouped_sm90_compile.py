@@ -64,6 +64,27 @@ def test_the_layout_the_kernel_builds_keeps_the_device_contract(tokens):
         assert gp.smem_layout(p, lay.stages + 1, lay.gatherers, lay.slots).total > limit
 
 
+@pytest.mark.parametrize("tokens", [8, 64])
+def test_notes_follow_the_mega_schema(tokens):
+    """The compile notes name what the mega kernels' notes name the same way
+    (``mega_common.notes``): ``smem_layout`` {name: [offset, bytes]} from the
+    layout builder, ``stages`` x ``stage_bytes`` the ring (weight and token
+    stages), the FC2 claim size as ``fc2_jobs_per_claim``; no accumulator
+    slots (the MMA warpgroup is the epilogue)."""
+    k = grouped.GroupedMoeSm90(spec(tokens))
+    notes, lay = k.notes(), k.layout
+    for key in ("stages", "stage_bytes", "ctas_per_sm", "threads", "smem_layout", "smem_limit",
+                "fc2_jobs_per_claim", "accumulator_slots"):  # fmt: skip
+        assert key in notes, key
+    table = notes["smem_layout"]
+    assert table == lay.table() and [n for n, _, _ in lay.regions()] == list(table)
+    assert all(table[n][0] == o and table[n][1] <= size for n, o, size in lay.regions())
+    assert notes["stages"] * notes["stage_bytes"] == table["w"][1] + table["b"][1]
+    assert (notes["threads"], notes["ctas_per_sm"], notes["accumulator_slots"]) == (THREADS, 1, 0)
+    assert notes["smem_limit"] == SMEM_LIMIT["sm_90a"]
+    assert notes["fc2_jobs_per_claim"] == k.plan.chunk
+
+
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     """Compiles SPECS in a fresh process started for sm_90a (cwd a temporary
@@ -109,6 +130,7 @@ def test_launch_records_follow_the_plan(built):
         assert r["grid"] == [SMS, 1, 1] and r["block"] == [THREADS, 1, 1]
         assert r["cluster"] is None and r["pdl"] is True
         assert r["smem"] == layout.total and r["notes"]["stages"] == layout.stages >= 4
+        assert r["notes"] == grouped.GroupedMoeSm90(s).notes()
         assert r["maps"] == list(grouped.TENSOR_MAPS)
         want = gp.workspaces(s.hidden, s.inter, s.experts, s.top_k, SMS)
         assert r["workspace"] == [[w.name, w.bytes, w.zero] for w in want]

@@ -33,7 +33,6 @@ PACKAGE = "kernels.ptx"
 #: (checked both ways: the probe uses it and no kernel module does).
 PROBE_ONLY = {
     ("memory", "ld_global_f32"): "tests/gpu/first_light_build.py",
-    ("memory", "st_shared_u32"): "tests/gpu/racecheck_kernels.py",
 }
 
 
