@@ -34,15 +34,33 @@ def _cuobjdump():
         pytest.skip("cuobjdump not installed")
 
 
-def test_clean_dsl_builds_are_byte_identical(tmp_path, fake_env, monkeypatch):
+#: Variant-record fields that follow from the cubin's bytes, which ptxas does
+#: not always reproduce from the same PTX (artifacts/FORMAT.md, "Reproducibility").
+CUBIN_FIELDS = ("sha256", "size", "compressed_sha256", "compressed_size", "resources")
+
+
+def test_clean_dsl_builds_reproduce_the_ptx_and_the_manifest(tmp_path, fake_env, monkeypatch):
     """Two clean builds (other cache, working directory, job count) of real
-    DSL cubins for both archs give the same bytes."""
+    DSL cubins for both archs give the same PTX and the same manifest but for
+    the cubin-derived fields; the cubins themselves usually agree too (counted
+    and printed, not required: see CUBIN_FIELDS)."""
     one = build(tmp_path / "one", *FAKE_VARIANTS, "--jobs", "1")
     monkeypatch.setenv("MOE_BUILD_CACHE", str(tmp_path / "cache2"))
     monkeypatch.chdir(tmp_path)
     two = build(tmp_path / "elsewhere" / "two", *FAKE_VARIANTS, "--jobs", "2")
-    assert artifact_files(one) == artifact_files(two)
-    assert len(manifest(one)["variants"]) == 6
+    a, b = manifest(one), manifest(two)
+    assert len(a["variants"]) == len(b["variants"]) == 6
+    for ra, rb in zip(a["variants"], b["variants"], strict=True):
+        assert ra["ptx_sha256"] == rb["ptx_sha256"], ra["name"]
+        assert {k: v for k, v in ra.items() if k not in CUBIN_FIELDS} == {
+            k: v for k, v in rb.items() if k not in CUBIN_FIELDS
+        }, ra["name"]
+    strip = {k: v for k, v in a.items() if k != "variants"}
+    assert strip == {k: v for k, v in b.items() if k != "variants"}
+    files_a, files_b = artifact_files(one), artifact_files(two)
+    assert sorted(files_a) == sorted(files_b)
+    differ = [n for n in files_a if n.startswith("cubins/") and files_a[n] != files_b[n]]
+    print(f"cubins that differ between the two builds (same PTX): {differ or 'none'}")
     assert not list(tmp_path.glob("*.cubin")) and not list(tmp_path.glob("*.ptx"))
 
 
