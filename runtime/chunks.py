@@ -1,0 +1,143 @@
+"""Any number of tokens through a layer that serves 1..64: row chunks.
+
+A layer call serves M up to its largest token bucket (64 for the built
+artifacts). ``chunk_plan(m, buckets)`` splits M >= 1 rows into pieces that one
+call each serves: M up to the largest bucket is one piece; above it, pieces
+of the largest bucket in row order, then one final piece of the remainder
+(which the layer pads up to its own bucket: ``runtime.plan``). So at most one
+piece is partial, and it is the last.
+
+``run_chunked(layer, x, logits, bias)`` runs the plan: every piece is one layer
+call on a row slice of the caller's tensors, and its BF16 result is copied
+into one preallocated [M, H] output. Only device ops and layer calls, no host
+sync: it can be captured in a CUDA graph (one graph per M, as for the layer).
+Every token's output depends on its own row only (routing and experts are per
+token), so chunked results equal unchunked ones row for row.
+
+What a chunk costs. Decode MoE is bound by the weight bytes a call reads
+(docs/semantics.md, "Sizes"), and each chunk is a separate call: it re-reads
+every expert its tokens route to. A chunk of the largest bucket reads about
+as many bytes as one M = 64 call (on the glm5 shard, random routing touches
+~241 of 288 experts, most of the layer; ~220 us on the H200: the README's
+"Performance", examples/README.md), so N chunks cost about N times that,
+however few tokens each expert gets. A grouped GEMM over all M tokens reads each expert once
+and is bound by the weights up to thousands of tokens. So chunking is for
+the occasional decode batch just above 64 (a few chunks); beyond a few
+hundred tokens per call (prefill), a server should route the call to a
+compute-bound grouped-GEMM path instead, which reads each expert once where
+chunks read it once per chunk.
+
+The layer protocol used here (``runtime.moe.MoELayer`` has it): ``shape``
+(``hidden``, ``experts``), ``device``, ``dtypes`` (the logits dtype names it
+serves), ``tables`` (logits dtype name -> {M: step} for every M one call
+serves), ``poison`` (optional) and ``__call__(x, logits, bias)`` -> BF16 [M, H].
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from runtime.errors import InputError
+from runtime.inputs import LOGITS, check_call
+from runtime.plan import bucket_for, pad_rows
+
+_DTYPE_NAMES = {v: k for k, v in LOGITS.items()}
+
+
+def chunk_plan(m: int, buckets) -> list[tuple[int, int]]:
+    """[(start, rows)] covering rows 0..m-1 in order, each piece served by one
+    bucket of ``buckets`` (token counts, any order): ``[(0, m)]`` when ``m``
+    fits the largest bucket B; else ``m // B`` pieces of B rows, then one of
+    ``m % B`` rows when that is not zero. Pure and deterministic."""
+    sizes = sorted(set(buckets))
+    if not sizes or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in sizes):
+        raise ValueError(f"buckets: expected positive token counts, found {list(buckets)}")
+    if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+        raise ValueError(f"m: expected a token count >= 1, found {m!r}")
+    largest = sizes[-1]
+    if m <= largest:
+        return [(0, m)]
+    full, rest = divmod(m, largest)
+    pieces = [(i * largest, largest) for i in range(full)]
+    if rest:
+        pieces.append((full * largest, rest))
+    return pieces
+
+
+def served(layer, logits_dtype: torch.dtype) -> list[int]:
+    """The M values one call of ``layer`` serves with logits of ``logits_dtype``,
+    ascending; refuses a dtype the layer does not serve."""
+    name = _DTYPE_NAMES.get(logits_dtype)
+    table = layer.tables.get(name) if name is not None else None
+    if not table:
+        accepted = ", ".join(f"torch.{d}" for d in layer.dtypes) or "none"
+        raise InputError(f"logits: expected dtype {accepted}, found {logits_dtype}")
+    return sorted(table)
+
+
+def check_inputs(layer, x, logits, bias) -> int:
+    """Validates a call of any M >= 1 as the layer validates one of 1..64
+    (``runtime.inputs.check_call``: dtypes, shapes, device, dense row-major,
+    16-byte aligned); returns M."""
+    if isinstance(x, torch.Tensor) and x.dim() == 2 and x.shape[0] < 1:
+        raise InputError(f"x: expected M (tokens) >= 1, found {x.shape[0]}")
+    return check_call(x, logits, bias, layer.shape, layer.device, layer.dtypes, sys.maxsize)
+
+
+def check_output(out, m: int, hidden: int, device: torch.device) -> None:
+    """``out`` is a dense BF16 [m, hidden] tensor on ``device``."""
+    if not isinstance(out, torch.Tensor):
+        raise InputError(f"out: expected a torch.Tensor, found {type(out).__name__}")
+    if (
+        out.dtype != torch.bfloat16
+        or tuple(out.shape) != (m, hidden)
+        or out.device != device
+        or not out.is_contiguous()
+    ):
+        raise InputError(
+            f"out: expected a contiguous torch.bfloat16 [{m}, {hidden}] tensor on {device}, "
+            f"found {out.dtype} {list(out.shape)} on {out.device} with strides {out.stride()}"
+        )
+
+
+def run_chunked(layer, x, logits, bias, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The layer's output BF16 [M, H] for any M >= 1 (module docstring).
+
+    ``x`` BF16 [M, H], ``logits`` [M, E] (a dtype the layer serves), ``bias``
+    FP32 [E], all dense on the layer's device. ``out``: BF16 [M, H] to write
+    the result into (default: a fresh tensor, or for a single piece the
+    layer's own output). With ``layer.poison`` the output is NaN-filled first,
+    so rows no chunk wrote show. Row slices of dense rows stay dense and
+    aligned (H is a multiple of 128, E of 32), so each chunk passes the
+    layer's checks as the whole call did."""
+    m = check_inputs(layer, x, logits, bias)
+    hidden = layer.shape.hidden
+    if out is not None:
+        check_output(out, m, hidden, layer.device)
+    sizes = served(layer, logits.dtype)
+    pieces = chunk_plan(m, sizes)
+    if len(pieces) == 1 and out is None and m in sizes:
+        return layer(x, logits, bias)
+    if out is None:
+        out = torch.empty(m, hidden, dtype=torch.bfloat16, device=layer.device)
+    if getattr(layer, "poison", False):
+        out.fill_(float("nan"))
+    for start, rows in pieces:
+        out[start : start + rows].copy_(_call(layer, x, logits, bias, start, rows, sizes))
+    return out
+
+
+def _call(layer, x, logits, bias, start: int, rows: int, sizes: list[int]) -> torch.Tensor:
+    """One layer call on rows ``start .. start+rows-1``: BF16 [rows, H]. A
+    piece of an M the layer's table skips (a custom table with holes) is
+    padded to the next M it serves, as the layer pads to a bucket."""
+    xs, ls = x[start : start + rows], logits[start : start + rows]
+    if rows in sizes:
+        return layer(xs, ls, bias)
+    call = bucket_for(rows, sizes)
+    return layer(pad_rows(xs, call), pad_rows(ls, call), bias)[:rows]
+
+
+__all__ = ["check_inputs", "check_output", "chunk_plan", "run_chunked", "served"]
