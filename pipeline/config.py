@@ -1,10 +1,13 @@
 """Build configs: YAML at the edge, frozen dataclasses inside, and ``validate``
 as the single statement of what a config may be.
 
-A config names one MoE shard (``model``), the token buckets of each kernel,
-the router-logit dtypes and the target architectures with their SM counts
-(see configs/README.md for the schema). Every rule lives in ``validate``; its
-errors name the file, the key and the rule.
+A config names one MoE shard (``model``, routing included), the token buckets
+of each kernel, the router-logit dtypes and the target architectures with
+their SM counts (see configs/README.md for the schema). Every rule lives in
+``validate``; its errors name the file, the key and the rule. What each
+kernel can serve is stated twice, once per kind of limit: its shapes in
+``kernels/shapes.py``, its routing family and SwiGLU in ``KERNEL_SERVES``
+here.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import yaml
 
 from kernels.shapes import unsupported
 from runtime.constants import ARCHS, KERNELS, LOGITS_DTYPES, MAX_TOKENS, TILE
-from runtime.model import MoEShape
+from runtime.model import SCORES, MoEShape
 
 
 class ConfigError(ValueError):
@@ -74,7 +77,20 @@ class BuildConfig:
         }
 
 
-# Schema: key -> (type, required). Types are checked exactly (a bool is not an int).
+@dataclass(frozen=True)
+class _Optional:
+    """A schema key that may be left out: it then resolves to ``default``
+    (None for ``groups_kept`` means "= groups", resolved by MoEShape). With
+    ``nullable`` an explicit YAML null is a value too."""
+
+    typ: type
+    default: object
+    nullable: bool = False
+
+
+# Schema: key -> type (required) or _Optional. Types are checked exactly (a
+# bool is not an int). The resolved config always holds every key, so every
+# artifact records its routing explicitly.
 _TOP = {"name": str, "model": dict, "kernels": dict, "logits_dtypes": list, "targets": list}
 _MODEL = {
     "hidden": int,
@@ -82,9 +98,14 @@ _MODEL = {
     "experts": int,
     "top_k": int,
     "routed_scale": float,
-    "swiglu_limit": float,
+    "swiglu_limit": _Optional(float, None, nullable=True),
     "ue8m0": bool,
     "shared_experts": int,
+    "score": _Optional(str, "sigmoid"),
+    "bias": _Optional(bool, True),
+    "groups": _Optional(int, 1),
+    "groups_kept": _Optional(int, None),
+    "renormalize": _Optional(bool, True),
 }
 _KERNEL_KEYS = {"mega": {"tokens": list}, "grouped": {"tokens": list, "finalize": list}}
 _TARGET = {"arch": str, "sms": int}
@@ -125,9 +146,14 @@ def load_config(path: str | Path) -> BuildConfig:
     return validate(raw, path)
 
 
-def validate(raw, path: str = "<config>") -> BuildConfig:
+def validate(raw, path: str = "<config>", check_kernels: bool = True) -> BuildConfig:
     """The single statement of what a config may be. Returns the resolved
-    BuildConfig or raises ConfigError listing every problem found."""
+    BuildConfig or raises ConfigError listing every problem found.
+
+    ``check_kernels=False`` checks the file's own rules only (schema, values,
+    routing consistency) and skips whether the listed kernels can serve the
+    model (shapes, routing family, shared experts): it reads the shard of a
+    model no kernel serves yet. Building always checks everything."""
     problems: list[tuple[str, str]] = []
 
     def bad(key: str, rule: str) -> None:
@@ -145,14 +171,24 @@ def validate(raw, path: str = "<config>") -> BuildConfig:
                 bad(_join(where, key), f"unknown key (allowed: {', '.join(schema)})")
         for key, typ in schema.items():
             full = _join(where, key)
-            if key not in obj:
+            optional = typ if isinstance(typ, _Optional) else None
+            if optional is not None:
+                typ = optional.typ
+                if key not in obj:
+                    out[key] = optional.default
+                    continue
+            elif key not in obj:
                 bad(full, "missing")
                 continue
             value = obj[key]
+            if value is None and optional is not None and optional.nullable:
+                out[key] = None
+                continue
             if typ is float and isinstance(value, int) and not isinstance(value, bool):
                 value = float(value)
             if type(value) is not typ:
-                bad(full, f"must be {typ.__name__}, got {_kind(value)}")
+                null = " or null" if optional is not None and optional.nullable else ""
+                bad(full, f"must be {typ.__name__}{null}, got {_kind(value)}")
                 continue
             out[key] = value
         return out
@@ -200,10 +236,15 @@ def validate(raw, path: str = "<config>") -> BuildConfig:
     if "targets" in top and not top["targets"]:
         bad("targets", "must list at least one target")
 
-    if model is not None:
+    if model is not None and check_kernels:
         for kernel, buckets in kernels.items():
-            if kernel == "grouped" and model.shared_experts != 1:
-                bad("model.shared_experts", "the grouped kernel computes exactly one shared expert")
+            serves = KERNEL_SERVES[kernel]
+            if model.shared_experts not in serves.shared_experts:
+                bad("model.shared_experts", serves.shared_rule)
+            differences = routing_differences(kernel, model)
+            if differences:
+                rule = f"the {kernel} kernel {serves.describe()}; this model {_and(differences)}"
+                bad(f"kernels.{kernel}", rule)
             for target in targets:
                 for m in buckets.tokens:
                     for reason in unsupported(
@@ -239,14 +280,125 @@ def _model(m: dict, bad) -> MoEShape | None:
     if not 1 <= m["top_k"] <= max(m["experts"], 1):
         bad("model.top_k", f"must be in 1..experts ({m['experts']}), got {m['top_k']}")
         ok = False
-    for key in ("routed_scale", "swiglu_limit"):
-        if not (math.isfinite(m[key]) and m[key] > 0):
-            bad(f"model.{key}", f"must be a finite positive number, got {m[key]}")
-            ok = False
+    if not (math.isfinite(m["routed_scale"]) and m["routed_scale"] > 0):
+        bad("model.routed_scale", f"must be a finite positive number, got {m['routed_scale']}")
+        ok = False
+    limit = m["swiglu_limit"]
+    if limit is not None and not (math.isfinite(limit) and limit > 0):
+        bad("model.swiglu_limit", f"must be a finite positive number or null, got {limit}")
+        ok = False
     if m["shared_experts"] not in (0, 1):
         bad("model.shared_experts", f"must be 0 or 1, got {m['shared_experts']}")
         ok = False
-    return MoEShape(**m) if ok else None
+    if m["score"] not in SCORES:
+        bad("model.score", f"must be one of {', '.join(SCORES)}, got {m['score']!r}")
+        ok = False
+    return MoEShape(**m) if _groups(m, bad) and ok else None
+
+
+def _groups(m: dict, bad) -> bool:
+    """The expert-group rules; False when one is broken (reported)."""
+    groups, experts = m["groups"], m["experts"]
+    kept = groups if m["groups_kept"] is None else m["groups_kept"]
+    if groups < 1 or experts % groups:
+        bad("model.groups", f"must be a positive divisor of experts ({experts}), got {groups}")
+        return False
+    if groups > 1 and experts // groups < 2:
+        bad("model.groups", f"a group is scored by its two best experts: {groups} groups of "
+                            f"{experts} experts leave {experts // groups} per group")  # fmt: skip
+        return False
+    if groups > 1 and not m["bias"]:
+        # DeepSeek-V3's group score (sum of the two best biased scores) is the
+        # only group rule stated here; models that group unbiased scores use
+        # other rules (DeepSeek-V2: the best score of each group).
+        bad("model.groups", "expert groups are scored by the sum of each group's two best "
+                            "score + bias values: they need bias: true")  # fmt: skip
+        return False
+    if not 1 <= kept <= groups:
+        bad("model.groups_kept", f"must be in 1..groups ({groups}), got {kept}")
+        return False
+    reachable = kept * (experts // groups)
+    if m["top_k"] > reachable:
+        bad("model.top_k", f"must be at most the {reachable} experts of the {kept} kept "
+                           f"groups, got {m['top_k']}")  # fmt: skip
+        return False
+    return True
+
+
+# What each kernel routes -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KernelServes:
+    """The routing family and expert math one kernel computes (beside its
+    shape rules in kernels/shapes.py): the score functions, bias settings and
+    renormalization it serves, whether it can drop expert groups (a model
+    whose tokens keep all their groups routes as one group), whether it needs
+    a SwiGLU clamp, and the shared-expert counts it runs (``shared_rule``
+    says why when a model has another)."""
+
+    score: tuple[str, ...]
+    bias: tuple[bool, ...]
+    group_limited: bool
+    renormalize: tuple[bool, ...]
+    needs_clamp: bool
+    shared_experts: tuple[int, ...]
+    shared_rule: str
+
+    def describe(self) -> str:
+        """The family in words, e.g. "routes sigmoid + bias scores without
+        expert groups into renormalized weights and clamps SwiGLU"."""
+        scores = " or ".join(self.score)
+        bias = {(True,): " + bias", (False,): ""}.get(self.bias, " (+ bias or not)")
+        groups = "within kept expert groups" if self.group_limited else "without expert groups"
+        weights = {(True,): "renormalized", (False,): "unnormalized"}.get(
+            self.renormalize, "renormalized or not"
+        )
+        clamp = "clamps SwiGLU" if self.needs_clamp else "runs SwiGLU with or without a clamp"
+        return f"routes {scores}{bias} scores {groups} into {weights} weights and {clamp}"
+
+
+#: kernel -> what it serves. Both kernels route in one warp: sigmoid of every
+#: logit, the top_k largest score + bias (no group stage), weights from the
+#: unbiased scores renormalized and scaled (kernels/moe_common.py), and both
+#: clamp SwiGLU with the compiled limit.
+KERNEL_SERVES = {
+    "mega": KernelServes(
+        score=("sigmoid",), bias=(True,), group_limited=False, renormalize=(True,),
+        needs_clamp=True, shared_experts=(0, 1),
+        shared_rule="the mega kernel runs 0 or 1 shared experts",
+    ),
+    "grouped": KernelServes(
+        score=("sigmoid",), bias=(True,), group_limited=False, renormalize=(True,),
+        needs_clamp=True, shared_experts=(1,),
+        shared_rule="the grouped kernel computes exactly one shared expert",
+    ),
+}  # fmt: skip
+
+
+def routing_differences(kernel: str, model: MoEShape) -> list[str]:
+    """How ``model``'s routing and SwiGLU differ from what ``kernel`` serves
+    (``KERNEL_SERVES``), one phrase per model key; empty when it serves them."""
+    serves = KERNEL_SERVES[kernel]
+    out = []
+    if model.score not in serves.score:
+        out.append(f"uses {model.score} scores (model.score)")
+    if model.bias not in serves.bias:
+        has = "has a" if model.bias else "has no"
+        out.append(f"{has} score-correction bias (model.bias)")
+    if model.groups_kept < model.groups and not serves.group_limited:
+        out.append(f"selects within the best {model.groups_kept} of {model.groups} expert "
+                   "groups (model.groups)")  # fmt: skip
+    if model.renormalize not in serves.renormalize:
+        does = "renormalizes" if model.renormalize else "does not renormalize"
+        out.append(f"{does} its weights (model.renormalize)")
+    if serves.needs_clamp and model.swiglu_limit is None:
+        out.append("has no SwiGLU clamp (model.swiglu_limit)")
+    return out
+
+
+def _and(phrases: list[str]) -> str:
+    return phrases[0] if len(phrases) == 1 else ", ".join(phrases[:-1]) + " and " + phrases[-1]
 
 
 def _buckets(entry: dict, where: str, bad) -> KernelBuckets | None:

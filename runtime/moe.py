@@ -3,7 +3,7 @@
 ``layer.mega(x, logits, bias)`` -> (out, ids, weights) (``shared=True``: also
 the shared expert's output) and ``layer.grouped(x, logits, bias,
 finalize=False)`` -> (out, ids, weights, shared) or ``final`` run one kernel;
-``layer(x, logits, bias)`` serves any M in 1..64 and returns the full MoE
+``layer(x, logits, bias)`` serves any M >= 1 and returns the full MoE
 output BF16 [M, H] (routed, weighted, plus the shared expert). Shapes: out BF16 [M * top_k, H] (row t*top_k + k = route k of
 token t, unweighted), ids int32 [M, top_k], weights FP32 [M, top_k], shared
 and final BF16 [M, H]. Padded rows never come back.
@@ -82,6 +82,8 @@ class MoELayer:
                        for k in KERNELS}  # fmt: skip
             self.tables[dtype] = dict(table.get(dtype, {})) if table else default_table(kernels)
         self.dtypes = tuple(d for d in LOGITS if self.tables[d])
+        #: The largest M one launch serves (any dtype); above it, chunks.
+        self.largest = max((max(t) for t in self.tables.values() if t), default=0)
         for dtype, steps in self.tables.items():
             for m, step in steps.items():
                 found = self.buckets.get((step.kernel, dtype), {}).get(step.bucket, {})
@@ -125,7 +127,15 @@ class MoELayer:
         return (*self._crop(m, out, ids, weights), shared[:m])
 
     def __call__(self, x, logits, bias):
-        """The MoE layer's output BF16 [M, H] for any M in 1..64."""
+        """The MoE layer's output BF16 [M, H] for any M >= 1: one launch up to
+        the largest bucket, bucket-sized chunks above it
+        (``runtime.chunks.run_chunked``: no host sync, graph-capturable; each
+        chunk re-reads the experts its tokens need)."""
+        rows = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() == 2 else 0
+        if rows > self.largest:
+            from runtime.chunks import run_chunked
+
+            return run_chunked(self, x, logits, bias)
         m, dtype = self._check(x, logits, bias, None)
         step = self.tables[dtype].get(m)
         if step is None:

@@ -1,7 +1,9 @@
 """The torch reference of docs/semantics.md, on CPU or GPU.
 
-Every step the kernels take, written plainly: routing, FP8 activation
-quantization, GEMM1 with block scales, clamped SwiGLU, FP8 hidden
+Every step the kernels take, written plainly: routing (every family of
+docs/models.md, of which the kernels serve sigmoid + bias without groups),
+FP8 activation quantization, GEMM1 with block scales, clamped (or, for a
+model without a clamp, plain) SwiGLU, FP8 hidden
 quantization, GEMM2, the shared expert and finalize. ``dtype`` selects the
 accumulation precision (``torch.float32`` or ``torch.float64``).
 
@@ -25,43 +27,174 @@ import torch
 
 from runtime.constants import FP8_MAX, TILE
 from runtime.layout import CheckpointWeights, ExpertWeights, logical_rows, swap_halves
-from runtime.model import MoEShape
+from runtime.model import SCORES, MoEShape
 
 FP8 = torch.float8_e4m3fn
 SCALE_FLOOR = 1e-10  # amax floor of both quantizations
 
 
 # Routing ----------------------------------------------------------------------
+#
+# Every family of docs/models.md, per token, in FP32 (in both accumulation
+# modes): scores over all experts (sigmoid or softmax); selection keys = scores
+# plus the score-correction bias when the model has one; with expert groups,
+# only the experts of the best ``groups_kept`` groups can be chosen; the
+# ``top_k`` largest keys win; weights come from the unbiased scores, divided by
+# their sum when the model renormalizes, times the routed scale. Equal keys go
+# to the lower expert index, equal group scores to the lower group index (as
+# the kernels order their candidates: a stable descending sort).
+
+
+def routing_scores(logits: torch.Tensor, score: str = "sigmoid") -> torch.Tensor:
+    """FP32 [M, E] router scores of [M, E] logits (BF16 logits are widened to
+    FP32 exactly first): ``sigmoid`` elementwise, or ``softmax`` over each
+    token's experts."""
+    z = logits.float()
+    if score == "sigmoid":
+        return torch.sigmoid(z)
+    if score == "softmax":
+        return torch.softmax(z, dim=-1)
+    raise ValueError(f"score {score!r}: must be one of {', '.join(SCORES)}")
+
+
+def group_scores(keys: torch.Tensor, groups: int) -> torch.Tensor:
+    """FP32 [M, groups]: each group's score, the sum of the two largest keys
+    among its ``E / groups`` consecutive experts (DeepSeek-V3's ``noaux_tc``)."""
+    m, e = keys.shape
+    if groups < 1 or e % groups or e // groups < 2:
+        raise ValueError(f"{e} experts do not form {groups} groups of at least 2")
+    best = torch.sort(keys.view(m, groups, e // groups), dim=-1, descending=True).values
+    return best[..., 0] + best[..., 1]
+
+
+def selection_keys(
+    scores: torch.Tensor,
+    bias: torch.Tensor | None,
+    groups: int = 1,
+    groups_kept: int | None = None,
+) -> torch.Tensor:
+    """FP32 [M, E]: the keys experts are selected by. ``scores + bias`` (the
+    scores alone when ``bias`` is None); when ``groups_kept`` (default: all)
+    is below ``groups``, the keys of experts outside a token's kept groups are
+    -inf (a biased key can be negative, so they are not zeroed). The kept
+    groups are the ``groups_kept`` best by ``group_scores``, ties to the lower
+    group."""
+    keys = scores if bias is None else scores + bias.float()[None, :]
+    kept = groups if groups_kept is None else groups_kept
+    if not 1 <= kept <= groups:
+        raise ValueError(f"groups_kept {kept}: must be in 1..groups ({groups})")
+    if kept == groups:
+        return keys
+    m, e = keys.shape
+    best = torch.sort(group_scores(keys, groups), dim=-1, descending=True, stable=True)
+    allowed = torch.zeros(m, groups, dtype=torch.bool, device=keys.device)
+    allowed.scatter_(1, best.indices[:, :kept], True)
+    allowed = allowed.repeat_interleave(e // groups, dim=1)
+    return keys.masked_fill(~allowed, float("-inf"))
 
 
 def route(
-    logits: torch.Tensor, bias: torch.Tensor, top_k: int, scale: float
+    logits: torch.Tensor,
+    bias: torch.Tensor | None,
+    top_k: int,
+    scale: float,
+    *,
+    score: str = "sigmoid",
+    groups: int = 1,
+    groups_kept: int | None = None,
+    renormalize: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """int32 [M, top_k] expert ids (best first) and FP32 [M, top_k] weights.
 
-    Scores ``s = sigmoid(logits)`` in FP32 select by ``s + bias``, ties going to
-    the lower expert; weights are ``s[id] / sum(s[ids]) * scale`` with the sum
-    taken in selection order (as the kernels do)."""
-    s = torch.sigmoid(logits.float())
-    keys = s + bias.float()[None, :]
+    Scores ``s = routing_scores(logits, score)`` select by
+    ``selection_keys(s, bias, groups, groups_kept)``, ties going to the lower
+    expert; weights are ``s[id] / sum(s[ids]) * scale`` with the sum taken in
+    selection order (as the kernels do), or ``s[id] * scale`` without
+    ``renormalize``. The defaults are the kernels' routing (sigmoid + bias,
+    no groups). ValueError when the kept groups hold fewer than ``top_k``
+    experts."""
+    s = routing_scores(logits, score)
+    keys = selection_keys(s, bias, groups, groups_kept)
+    kept = groups if groups_kept is None else groups_kept
+    if top_k > kept * (keys.shape[1] // groups):
+        raise ValueError(f"top_k {top_k}: the {kept} kept groups hold fewer experts")
     # A stable descending sort keeps equal keys in index order: ties -> lower id.
     order = torch.sort(keys, dim=-1, descending=True, stable=True).indices[:, :top_k]
-    picked = s.gather(1, order)
+    return order.to(torch.int32), _weights(s, order, scale, renormalize)
+
+
+def route_for(
+    logits: torch.Tensor, bias: torch.Tensor | None, shape: MoEShape
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``route`` with ``shape``'s routing. ``bias`` is required when
+    ``shape.bias`` and ignored otherwise."""
+    return route(logits, _bias_of(bias, shape), shape.top_k, shape.routed_scale,
+                 **_family(shape))  # fmt: skip
+
+
+def weights_for(logits: torch.Tensor, ids: torch.Tensor, shape: MoEShape) -> torch.Tensor:
+    """FP32 [M, top_k]: ``shape``'s routing weights for the given expert ids
+    (int [M, top_k], in their order), whoever chose them."""
+    s = routing_scores(logits, shape.score)
+    return _weights(s, ids.long(), shape.routed_scale, shape.renormalize)
+
+
+def _weights(s: torch.Tensor, ids: torch.Tensor, scale: float, renormalize: bool):
+    picked = s.gather(1, ids)
+    factor = torch.tensor(scale, dtype=torch.float32, device=s.device)
+    if not renormalize:
+        return picked * factor
     total = torch.zeros_like(picked[:, 0])
-    for k in range(top_k):
+    for k in range(ids.shape[1]):
         total = total + picked[:, k]
-    weights = picked / total[:, None] * torch.tensor(scale, dtype=torch.float32)
-    return order.to(torch.int32), weights
+    return picked / total[:, None] * factor
 
 
-def tie_margin(logits: torch.Tensor, bias: torch.Tensor, top_k: int) -> torch.Tensor:
+def _family(shape: MoEShape) -> dict:
+    return {"score": shape.score, "groups": shape.groups, "groups_kept": shape.groups_kept,
+            "renormalize": shape.renormalize}  # fmt: skip
+
+
+def _bias_of(bias: torch.Tensor | None, shape: MoEShape) -> torch.Tensor | None:
+    if not shape.bias:
+        return None
+    if bias is None:
+        raise ValueError("this shape routes with a score-correction bias: pass it")
+    return bias
+
+
+def tie_margin(
+    logits: torch.Tensor,
+    bias: torch.Tensor | None,
+    top_k: int,
+    *,
+    score: str = "sigmoid",
+    groups: int = 1,
+    groups_kept: int | None = None,
+) -> torch.Tensor:
     """FP32 [M]: the smallest gap between consecutive keys among each token's
-    ``top_k + 1`` best. A kernel whose sigmoid is a few ulp off may order (or
-    pick) experts differently where this is tiny: tests count such tokens
-    apart instead of calling them wrong."""
-    keys = torch.sigmoid(logits.float()) + bias.float()[None, :]
-    best = torch.sort(keys, dim=-1, descending=True).values[:, : top_k + 1]
-    return (best[:, :-1] - best[:, 1:]).amin(dim=-1)
+    ``top_k + 1`` best (experts of dropped groups excluded) and, when groups
+    are dropped, the gap between the last kept and the first dropped group
+    score (the order among kept groups changes nothing). A kernel whose score
+    function is a few ulp off may order (or pick) experts differently where
+    this is tiny: tests count such tokens apart instead of calling them
+    wrong."""
+    s = routing_scores(logits, score)
+    keys = selection_keys(s, bias, groups, groups_kept)
+    margin = _smallest_gap(keys, top_k + 1)
+    kept = groups if groups_kept is None else groups_kept
+    if kept < groups:
+        plain = s if bias is None else s + bias.float()[None, :]
+        best = torch.sort(group_scores(plain, groups), dim=-1, descending=True).values
+        margin = torch.minimum(margin, best[:, kept - 1] - best[:, kept])
+    return margin
+
+
+def _smallest_gap(values: torch.Tensor, count: int) -> torch.Tensor:
+    best = torch.sort(values, dim=-1, descending=True).values[:, :count]
+    gaps = best[:, :-1] - best[:, 1:]
+    # -inf - -inf (two excluded experts) is NaN: not a near tie.
+    return gaps.nan_to_num(nan=float("inf")).amin(dim=-1)
 
 
 # Quantization -----------------------------------------------------------------
@@ -107,8 +240,11 @@ def quantize_hidden(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.view(t, i), sh
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    """Clamped SwiGLU: ``min(gate, limit) * sigmoid(.) * clamp(up, +-limit)``."""
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
+    """Clamped SwiGLU: ``min(gate, limit) * sigmoid(.) * clamp(up, +-limit)``;
+    ``silu(gate) * up`` when ``limit`` is None (a model without a clamp)."""
+    if limit is None:
+        return gate * torch.sigmoid(gate) * up
     g = gate.clamp(max=limit)
     u = up.clamp(-limit, limit)
     return g * torch.sigmoid(g) * u
@@ -177,7 +313,7 @@ def expert_forward(
     sx: torch.Tensor,
     weights: CheckpointWeights | ExpertWeights,
     e: int,
-    limit: float,
+    limit: float | None,
     dtype=torch.float32,
 ) -> ExpertTrace:
     """Expert ``e`` of ``weights`` (either layout) on quantized tokens."""
@@ -214,24 +350,26 @@ class MoEReference:
 def moe_reference(
     x: torch.Tensor,
     logits: torch.Tensor,
-    bias: torch.Tensor,
+    bias: torch.Tensor | None,
     routed: CheckpointWeights | ExpertWeights,
     shared: CheckpointWeights | ExpertWeights | None,
     shape: MoEShape,
     dtype=torch.float32,
     ids: torch.Tensor | None = None,
 ) -> MoEReference:
-    """The MoE layer of ``shape`` on BF16 tokens ``x`` [M, H].
+    """The MoE layer of ``shape`` on BF16 tokens ``x`` [M, H], routed by
+    ``route_for`` (``bias``, FP32 [E], is required when ``shape.bias`` and
+    ignored otherwise).
 
     ``ids`` (int32 [M, top_k]) overrides the routing's expert choice (weights
     are then recomputed for those ids), so a kernel that resolved a near-tie
     differently can still be compared route by route."""
     m, hidden = x.shape
     top_k = shape.top_k
-    ref_ids, weights = route(logits, bias, top_k, shape.routed_scale)
+    ref_ids, weights = route_for(logits, bias, shape)
     if ids is not None:
         ids = ids.to(device=x.device, dtype=torch.int32).view(m, top_k)
-        weights = _weights_for(logits, ids, shape.routed_scale)
+        weights = weights_for(logits, ids, shape)
     else:
         ids = ref_ids
     xq, sx = quantize_activations(x, shape.ue8m0)
@@ -247,14 +385,6 @@ def moe_reference(
         shared_out = expert_forward(xq, sx, shared, 0, shape.swiglu_limit, dtype).y
     final = finalize(out, weights, shared_out, top_k, rounded=(dtype == torch.float32))
     return MoEReference(out=out, ids=ids, weights=weights, shared=shared_out, final=final)
-
-
-def _weights_for(logits: torch.Tensor, ids: torch.Tensor, scale: float) -> torch.Tensor:
-    s = torch.sigmoid(logits.float()).gather(1, ids.long())
-    total = torch.zeros_like(s[:, 0])
-    for k in range(ids.shape[1]):
-        total = total + s[:, k]
-    return s / total[:, None] * torch.tensor(scale, dtype=torch.float32)
 
 
 def finalize(

@@ -1,5 +1,7 @@
 """The torch reference: hand-computed routing, quantization and SwiGLU cases;
-float32 against float64; kernel layout against checkpoint layout."""
+float32 against float64; kernel layout against checkpoint layout; the layer
+for every routing family (the families' own cases are in
+test_routing_families.py)."""
 
 import math
 import struct
@@ -17,6 +19,7 @@ from runtime.reference import (
     quantize_hidden,
     rel_l2,
     route,
+    route_for,
     swiglu,
     tie_margin,
     ue8m0_round,
@@ -88,6 +91,13 @@ def test_swiglu_clamps():
     a = swiglu(gate, up, limit=10.0)
     expected = [10 * _sig(10) * -10, -3 * _sig(-3) * 2, 1 * _sig(1) * 10]
     assert torch.allclose(a, torch.tensor(expected), rtol=1e-6)
+
+
+def test_swiglu_without_a_clamp_is_silu_times_up():
+    gate = torch.tensor([20.0, -3.0, 1.0])
+    up = torch.tensor([-15.0, 2.0, 12.0])
+    expected = [20 * _sig(20) * -15, -3 * _sig(-3) * 2, 1 * _sig(1) * 12]
+    assert torch.allclose(swiglu(gate, up, limit=None), torch.tensor(expected), rtol=1e-6)
 
 
 def test_hidden_quantization_never_rounds_to_ue8m0():
@@ -235,3 +245,43 @@ def test_ids_override_recomputes_weights():
     m, k = base.ids.shape
     rows = other.out.view(m, k, -1)
     assert torch.equal(rows, base.out.view(m, k, -1).flip(1))
+
+
+FAMILIES = {
+    # The kernels' family: sigmoid + bias, one group, clamped (GLM-5.3-Flash).
+    "sigmoid-bias": {},
+    # DeepSeek-V3: 4 groups of 8 experts, 2 kept; no clamp.
+    "grouped": {"groups": 4, "groups_kept": 2, "swiglu_limit": None},
+    # Qwen3: softmax, no bias, no shared expert, no clamp, scale 1.
+    "softmax": {"score": "softmax", "bias": False, "shared_experts": 0,
+                "swiglu_limit": None, "routed_scale": 1.0},
+    # Sigmoid without bias and without renormalization.
+    "plain": {"bias": False, "renormalize": False, "swiglu_limit": None},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_layer_routes_with_the_shapes_family(family):
+    """moe_reference routes with route_for (the shape's family) in both
+    precisions, runs the experts it picked, and ignores a bias the shape does
+    not use."""
+    shape = MoEShape(**{**SMALL.__dict__, **FAMILIES[family]})
+    g = seeding.generator()
+    x, logits, bias, routed, shared = _inputs(shape, 5, g)
+    shared = shared if shape.shared_experts else None
+    r32 = moe_reference(x, logits, bias, routed, shared, shape, torch.float32)
+    r64 = moe_reference(x, logits, bias, routed, shared, shape, torch.float64)
+    ids, weights = route_for(logits, bias, shape)
+    assert torch.equal(r32.ids, ids) and torch.equal(r64.ids, ids)
+    assert torch.equal(r32.weights, weights) and torch.equal(r64.weights, weights)
+    assert (r32.shared is None) == (shape.shared_experts == 0)
+    assert rel_l2(r32.out, r64.out) < 2e-3  # as in test_float32_matches_float64
+    assert rel_l2(r32.final, r64.final) < 1e-2
+    if not shape.bias:
+        unbiased = moe_reference(x, logits, None, routed, shared, shape)
+        assert torch.equal(unbiased.ids, r32.ids) and torch.equal(unbiased.final, r32.final)
+    # The clamp is the shape's: with a limit, the layer differs from none.
+    if shape.swiglu_limit is None:
+        clamped = MoEShape(**{**shape.__dict__, "swiglu_limit": 0.5})
+        other = moe_reference(x, logits, bias, routed, shared, clamped)
+        assert not torch.equal(other.out, r32.out)
