@@ -848,7 +848,7 @@ class GroupedCommon:
             for r in cutlass.range_constexpr(frag.rows):
                 amax = ptx.fmax_abs(amax, up[frag.index(s, r)])
             for off in cutlass.range_constexpr(len(frag.shuffles)):
-                amax = cute.arch.fmax(
+                amax = ptx.fmax_nan(
                     amax, cute.arch.shuffle_sync_bfly(amax, offset=frag.shuffles[off])
                 )
             if frag.amax_writer:
@@ -857,9 +857,9 @@ class GroupedCommon:
         unit_rows = hidden + Int64(unit) * (w * self.inter) + pair * TILE
         for s in cutlass.range_constexpr(frag.slots):
             token = Int32(frag.token(s))
-            amax = cute.arch.fmax(
-                cute.arch.fmax(t.amax[token], t.amax[w + token]),
-                cute.arch.fmax(t.amax[2 * w + token], t.amax[3 * w + token]),
+            amax = ptx.fmax_nan(
+                ptx.fmax_nan(t.amax[token], t.amax[w + token]),
+                ptx.fmax_nan(t.amax[2 * w + token], t.amax[3 * w + token]),
             )
             scale = mc.hidden_scale(amax)
             if token < count:

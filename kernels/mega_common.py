@@ -159,9 +159,9 @@ def hidden_block(plan: mp.MegaPlan, base: Int32, up: Float32, local, e, lane, bl
     if lane == 0:
         ptx.st_shared_f32(amax_at + (e // 32) * 4, amax)
     ptx.bar_sync(barrier, GROUP_THREADS)
-    amax = cute.arch.fmax(
-        cute.arch.fmax(ptx.ld_shared_f32(amax_at), ptx.ld_shared_f32(amax_at + 4)),
-        cute.arch.fmax(ptx.ld_shared_f32(amax_at + 8), ptx.ld_shared_f32(amax_at + 12)),
+    amax = ptx.fmax_nan(
+        ptx.fmax_nan(ptx.ld_shared_f32(amax_at), ptx.ld_shared_f32(amax_at + 4)),
+        ptx.fmax_nan(ptx.ld_shared_f32(amax_at + 8), ptx.ld_shared_f32(amax_at + 12)),
     )
     scale = mc.hidden_scale(amax)
     stage = base + plan.offset("stage")

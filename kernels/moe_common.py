@@ -34,13 +34,14 @@ def ue8m0_round(scale: Float32) -> Float32:
     field plus one when any mantissa bit is set."""
     bits = ptx.float_bits(cute.arch.fmax(scale, Float32(SCALE_FLOOR)))
     exponent = (bits >> 23) + Uint32((bits & Uint32(0x7FFFFF)) != Uint32(0))
-    return ptx.bits_float(exponent << 23)
+    # NaN stays NaN (the rounded value is never below a finite scale).
+    return ptx.fmax_nan(ptx.bits_float(exponent << 23), scale)
 
 
 def hidden_scale(amax: Float32) -> Float32:
     """The hidden block's FP8 scale, ``max(amax, 1e-10) / 448`` (IEEE division,
     never UE8M0-rounded)."""
-    return ptx.div_rn(cute.arch.fmax(amax, Float32(SCALE_FLOOR)), Float32(FP8_MAX))
+    return ptx.div_rn(ptx.fmax_nan(amax, Float32(SCALE_FLOOR)), Float32(FP8_MAX))
 
 
 def e4m3x4(a: Float32, b: Float32, c: Float32, d: Float32) -> Uint32:
@@ -64,7 +65,7 @@ def group_amax(value: Float32, lanes: cutlass.Constexpr[int]) -> Float32:
     groups aligned) of ``value`` (butterfly shuffles; every lane gets it)."""
     result = value
     for i in cutlass.range_constexpr(lanes.bit_length() - 1):
-        result = cute.arch.fmax(result, cute.arch.shuffle_sync_bfly(result, offset=1 << i, mask=-1))
+        result = ptx.fmax_nan(result, cute.arch.shuffle_sync_bfly(result, offset=1 << i, mask=-1))
     return result
 
 

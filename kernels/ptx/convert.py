@@ -42,13 +42,16 @@ def round_e4m3(value, *, loc=None, ip=None) -> Float32:
     torch's software conversion (the reference's) by construction, whatever
     the conversion instruction does inside (identical on 7M test values in
     torch). Normal range (|v| >= 2^-6): the mantissa rounded to 3 bits;
-    subnormals: to a multiple of 2^-9 (``cvt.rni``). About 10 instructions."""
+    subnormals: to a multiple of 2^-9 (``cvt.rni``); NaN stays NaN (the
+    integer rounding would carry a NaN's all-ones mantissa into the sign and
+    make it -0). About 12 instructions."""
     return asm(
-        "{ .reg .b32 b, l; .reg .f32 s; .reg .pred p; "
-        "abs.f32 s, $1; setp.lt.f32 p, s, 0f3C800000; "
+        "{ .reg .b32 b, l; .reg .f32 s; .reg .pred p, n; "
+        "abs.f32 s, $1; setp.lt.f32 p, s, 0f3C800000; testp.notanumber.f32 n, $1; "
         "mov.b32 b, $1; shr.u32 l, b, 20; and.b32 l, l, 1; add.u32 b, b, l; "
         "add.u32 b, b, 0x7FFFF; and.b32 b, b, 0xFFF00000; mov.b32 $0, b; "
-        "@p mul.f32 s, $1, 0f44000000; @p cvt.rni.f32.f32 s, s; @p mul.f32 $0, s, 0f3B000000; }",
+        "@p mul.f32 s, $1, 0f44000000; @p cvt.rni.f32.f32 s, s; @p mul.f32 $0, s, 0f3B000000; "
+        "@n mov.f32 $0, $1; }",
         "f", "f", (value,), side_effects=False, loc=loc, ip=ip,
     )  # fmt: skip
 

@@ -36,8 +36,9 @@ def rcp_approx(x, *, loc=None, ip=None) -> Float32:
 
 @dsl_user_op
 def fmax_abs(a, b, *, loc=None, ip=None) -> Float32:
-    """``max(a, |b|)`` as ``abs.f32`` + ``max.f32`` (NaN-ignoring max)."""
-    return asm("{ .reg .f32 t; abs.f32 t, $2; max.f32 $0, $1, t; }", "f", "ff", (a, b),
+    """``max(a, |b|)`` as ``abs.f32`` + ``max.NaN.f32``: NaN if either is NaN
+    (an amax over a NaN is NaN, as torch's is)."""
+    return asm("{ .reg .f32 t; abs.f32 t, $2; max.NaN.f32 $0, $1, t; }", "f", "ff", (a, b),
                side_effects=False, loc=loc, ip=ip)  # fmt: skip
 
 

@@ -235,8 +235,12 @@ def test_non_finite_tokens_give_non_finite_rows(artifact, layer, weights, device
 def test_bad_inputs_are_refused(artifact, layer, device):
     dtype = layer.dtypes[0]
     x, logits, bias = _inputs(artifact.shape, 2, dtype, device)
-    with pytest.raises(InputError, match="expected M"):
-        layer(*_inputs(artifact.shape, 65, dtype, device))
+    with pytest.raises(InputError, match="M"):
+        layer(*_inputs(artifact.shape, 0, dtype, device))
+    big = _inputs(artifact.shape, 65, dtype, device)  # any M: chunks above the buckets
+    assert layer(*big).shape == (65, artifact.shape.hidden)
+    with pytest.raises(InputError, match="logits: expected shape"):
+        layer(big[0], big[1][:64], big[2])
     with pytest.raises(InputError, match="x: expected device"):
         layer(x.cpu(), logits, bias)
     with pytest.raises(InputError, match="logits: expected a contiguous"):
