@@ -9,7 +9,9 @@ import sys
 
 import click
 
-DEFAULT_TOKENS = "1,2,3,4,8,16,32,48,64"
+DEFAULT_TOKENS = "1,2,3,4,8,16,32,48,64,128,256"
+#: Above the largest bucket the layer runs bucket-sized chunks (runtime.chunks).
+MAX_BENCH_TOKENS = 8192
 
 
 def _tokens(_ctx, _param, value: str) -> list[int]:
@@ -17,8 +19,8 @@ def _tokens(_ctx, _param, value: str) -> list[int]:
         tokens = sorted({int(t) for t in value.split(",") if t.strip()})
     except ValueError:
         raise click.BadParameter(f"expected comma-separated integers, got {value!r}") from None
-    if not tokens or tokens[0] < 1 or tokens[-1] > 64:
-        raise click.BadParameter(f"token counts must be in 1..64, got {value!r}")
+    if not tokens or tokens[0] < 1 or tokens[-1] > MAX_BENCH_TOKENS:
+        raise click.BadParameter(f"token counts must be in 1..{MAX_BENCH_TOKENS}, got {value!r}")
     return tokens
 
 
@@ -124,12 +126,15 @@ def summary(result: dict) -> str:
         base = next(r for r in here if r["kernel"] == "baseline")
         direct = [r for r in here if r["kernel"] in ("mega", "grouped")
                   and r.get("bucket") in (None, m)]  # fmt: skip
-        best = min(direct, key=lambda r: r["time_us"])
-        name = best["kernel"] + (" (final)" if best.get("finalize") else "")
         host = f"| {layer['host_us']:.1f} " if with_host else ""
+        if direct:
+            best = min(direct, key=lambda r: r["time_us"])
+            name = best["kernel"] + (" (final)" if best.get("finalize") else "")
+            kernel = f"{name} | {best['time_us']:.1f} | {100 * best['floor_fraction']:.0f}%"
+        else:  # above the largest bucket: the layer runs chunks, no one kernel serves M
+            kernel = "chunks | - | -"
         lines.append(
             f"| {routing} | {m} | {layer['time_us']:.1f} | {100 * layer['floor_fraction']:.0f}% "
-            f"{host}| {name} | {best['time_us']:.1f} | {100 * best['floor_fraction']:.0f}% | "
-            f"{base['time_us']:.0f} | {layer['speedup_vs_baseline']:.0f}x |"
+            f"{host}| {kernel} | {base['time_us']:.0f} | {layer['speedup_vs_baseline']:.0f}x |"
         )
     return "\n".join(lines)

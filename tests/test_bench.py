@@ -99,8 +99,9 @@ def test_table_and_summary_read_results_without_host_time():
 
 
 def test_bench_refuses_bad_tokens_and_needs_a_gpu(tmp_path):
-    r = CliRunner().invoke(main, ["bench", str(tmp_path), "--tokens", "0,65"])
-    assert r.exit_code == 2 and "1..64" in r.output
+    for bad in ("0,65", "8193"):
+        r = CliRunner().invoke(main, ["bench", str(tmp_path), "--tokens", bad])
+        assert r.exit_code == 2 and "1..8192" in r.output, r.output
     if not torch.cuda.is_available():
         r = CliRunner().invoke(main, ["bench", str(tmp_path)])
         assert r.exit_code == 2 and "needs a CUDA GPU" in r.output
@@ -304,3 +305,17 @@ def test_time_host_times_each_call_without_waiting(monkeypatch):
     assert events == [0, 1, "sync", 0, 1, 0, 1, "sync", 0, 1, 0, 1, "sync", 0, 1, "sync"]
     assert min(us[0::2]) >= 3000 > statistics.median(us[1::2])  # microseconds
     assert collecting == [True] * 2 + [False] * 10 and gc.isenabled()
+
+
+def test_summary_of_an_m_above_every_bucket_names_the_chunks():
+    """M = 128 has no kernel row (the layer runs chunks): the summary says so
+    instead of failing, and keeps the table's columns."""
+    rows = [_row("layer", 128, 400.0, host_us=30.0), _row("baseline", 128, 9000.0),
+            _row("layer", 64, 200.0, host_us=25.0), _row("baseline", 64, 5000.0),
+            _row("grouped", 64, 190.0)]  # fmt: skip
+    _speedups(rows)
+    text = summary(_result(rows))
+    line = next(x for x in text.splitlines() if x.startswith("| random | 128 |"))
+    assert "| chunks | - | - |" in line and "| 9000 |" in line
+    header = text.splitlines()[2]
+    assert header.count("|") == line.count("|")
