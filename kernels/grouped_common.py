@@ -93,7 +93,7 @@ from cutlass import Float32, Int32, Int64, Uint32
 from kernels import grouped_plan as gp
 from kernels import moe_common as mc
 from kernels import ptx
-from kernels.abi import fake_arguments
+from kernels.abi import GROUPED_MAPS, GROUPED_PARAMS, fake_arguments
 from kernels.build_common import compile_entry
 from kernels.grouped_plan import (
     DEPTH,
@@ -116,14 +116,9 @@ from kernels.grouped_plan import (
 from kernels.spec import CompiledKernel, LaunchShape, Param, Workspace
 from runtime.constants import SMEM_LIMIT, TILE
 
-#: Both kernels' parameters (ABI order, kernels/spec.py PARAMETER_NAMES; every
-#: one a pointer) and tensor maps (``weight_box``'s map indices 0..3).
-PARAMS = (
-    "maps", "w13_scale", "w2_scale", "s13_scale", "s2_scale", "s13", "s2", "x", "logits",
-    "bias", "rows", "out", "shared_out", "final", "ids", "weights", "plan_x", "plan_s",
-    "hidden", "hscale", "partial", "counters",
-)  # fmt: skip
-TENSOR_MAPS = ("w13", "w2", "s13", "s2")
+#: Both kernels' parameters and tensor maps (``weight_box``'s map indices
+#: 0..3): kernels/abi.py.
+PARAMS, TENSOR_MAPS = GROUPED_PARAMS, GROUPED_MAPS
 THREADS = 256
 EPILOGUE_THREADS = 128
 #: A stage's full barrier: the producer's expect_tx, then per gatherer lane its

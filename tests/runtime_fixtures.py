@@ -20,9 +20,7 @@ SMALL_MODEL = {
 }  # fmt: skip
 
 MEGA_PARAMS, MEGA_MAPS = abi.MEGA_PARAMS, abi.MEGA_MAPS
-GROUPED_PARAMS = ("maps", "w13_scale", "w2_scale", "s13_scale", "s2_scale", "s13", "s2", "x",
-                  "logits", "bias", "rows", "out", "shared_out", "final", "ids", "weights",
-                  "plan_x", "plan_s", "hidden", "hscale", "partial", "counters")  # fmt: skip
+GROUPED_PARAMS = abi.GROUPED_PARAMS
 GROUPED_WORKSPACE = (("plan_x", 4096, False), ("plan_s", 512, False), ("hidden", 8192, False),
                      ("hscale", 1024, False), ("partial", 4096, False), ("counters", 2048, True))  # fmt: skip
 
