@@ -144,7 +144,7 @@ def zero_b_tiles(plan: mp.MegaPlan, b_tiles: Int32, tiles: cutlass.Constexpr[int
 
 @cute.jit
 def hidden_block(plan: mp.MegaPlan, base: Int32, up: Float32, local, e, lane, block, hrecv,
-                 barrier: cutlass.Constexpr[int], limit: cutlass.Constexpr[float]):  # fmt: skip
+                 barrier: cutlass.Constexpr[int], limit: cutlass.Constexpr):  # fmt: skip
     """The group of ``GROUP_THREADS`` (thread ``e`` holds logical row ``local``
     of this up tile: its ``up`` value; the gate values are in the ``gate``
     region): clamped SwiGLU, FP8 per 128 (scale ``max(amax, 1e-10) / 448``),

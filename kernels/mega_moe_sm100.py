@@ -77,7 +77,7 @@ EPILOGUE_BARRIER = 1
 class MegaKernel:
     """One variant (its ``mega_plan.MegaPlan``) of the Blackwell mega kernel."""
 
-    def __init__(self, plan: mp.MegaPlan, *, scale: float, limit: float, ue8m0: bool,
+    def __init__(self, plan: mp.MegaPlan, *, scale: float, limit: float | None, ue8m0: bool,
                  logits_bf16: bool):  # fmt: skip
         self.plan = plan
         self.scale, self.limit, self.ue8m0 = scale, limit, ue8m0

@@ -275,12 +275,15 @@ def load_bf16x8(addr: Int64, values, first: int) -> None:
 # -- expert math ---------------------------------------------------------------------------
 
 
-def swiglu(gate: Float32, up: Float32, limit: float) -> Float32:
+def swiglu(gate: Float32, up: Float32, limit: float | None) -> Float32:
     """Clamped SwiGLU: ``g = min(gate, limit)``, ``u = clamp(up, -limit,
-    limit)``, ``g * sigmoid(g) * u`` (no alpha, no +1). The clamps keep NaN
+    limit)``, ``g * sigmoid(g) * u`` (no alpha, no +1); ``limit`` None (fixed
+    at compile time): plain SwiGLU, ``gate * sigmoid(gate) * up``. The clamps keep NaN
     (``min.NaN`` / ``max.NaN``, as torch's clamp does), so a token whose
     input holds a NaN or Inf (its FP8 codes or scale are then NaN) keeps a
     non-finite output instead of a clamped finite one."""
+    if limit is None:
+        return gate * sigmoid(gate) * up
     lim = Float32(limit)
     g = ptx.fmin_nan(gate, lim)
     u = ptx.fmax_nan(ptx.fmin_nan(up, lim), -lim)

@@ -70,7 +70,8 @@ class KernelSpec:
     experts: int
     top_k: int
     scale: float
-    limit: float
+    #: SwiGLU clamp (gate above, up both sides); None: no clamp.
+    limit: float | None
     ue8m0: bool
     tokens: int
     logits_dtype: str

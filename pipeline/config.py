@@ -361,16 +361,16 @@ class KernelServes:
 #: kernel -> what it serves. Both kernels route in one warp: sigmoid of every
 #: logit, the top_k largest score + bias (no group stage), weights from the
 #: unbiased scores renormalized and scaled (kernels/moe_common.py), and both
-#: clamp SwiGLU with the compiled limit.
+#: run SwiGLU with the compiled clamp or, for a model without one, none.
 KERNEL_SERVES = {
     "mega": KernelServes(
         score=("sigmoid",), bias=(True,), group_limited=False, renormalize=(True,),
-        needs_clamp=True, shared_experts=(0, 1),
+        needs_clamp=False, shared_experts=(0, 1),
         shared_rule="the mega kernel runs 0 or 1 shared experts",
     ),
     "grouped": KernelServes(
         score=("sigmoid",), bias=(True,), group_limited=False, renormalize=(True,),
-        needs_clamp=True, shared_experts=(1,),
+        needs_clamp=False, shared_experts=(1,),
         shared_rule="the grouped kernel computes exactly one shared expert",
     ),
 }  # fmt: skip

@@ -241,7 +241,6 @@ REFUSED = [
     ({"bias": False}, "has no score-correction bias (model.bias)"),
     ({"groups": 8, "groups_kept": 4}, "best 4 of 8 expert groups (model.groups)"),
     ({"renormalize": False}, "does not renormalize its weights (model.renormalize)"),
-    ({"swiglu_limit": None}, "has no SwiGLU clamp (model.swiglu_limit)"),
 ]
 
 
@@ -252,12 +251,22 @@ def test_kernels_refuse_a_routing_family_they_do_not_run(model, phrase):
         rules = [r for k, r in problems if k == f"kernels.{kernel}"]
         assert len(rules) == 1, problems
         assert rules[0].startswith(f"the {kernel} kernel routes sigmoid + bias scores without "
-                                   "expert groups into renormalized weights and clamps SwiGLU; "
-                                   "this model ")  # fmt: skip
+                                   "expert groups into renormalized weights and runs SwiGLU "
+                                   "with or without a clamp; this model ")  # fmt: skip
         assert phrase in rules[0]
     # Only the kernels object: the model itself is valid.
     assert {k for k, _ in problems} == {f"kernels.{k}" for k in KERNELS}
     validate(_routed(**model), check_kernels=False)
+
+
+def test_a_model_without_a_swiglu_clamp_builds():
+    """The kernels compile SwiGLU without the clamp (``limit`` None) for a
+    model that has none; the variants' specs carry None."""
+    from pipeline.variants import expand
+
+    cfg = validate(_routed(swiglu_limit=None))
+    assert cfg.model.swiglu_limit is None
+    assert {v.spec(cfg).limit for v in expand(cfg)} == {None}
 
 
 def test_every_kernel_states_what_it_routes():
@@ -289,16 +298,18 @@ MODELS = {
 #: What each config's kernels cannot do today (configs/README.md): per kernel,
 #: (what its routing sentence names, the archs whose shape rules refuse it,
 #: whether it refuses the shared-expert count). Empty: it builds.
-CLAMP, GROUPS = "no SwiGLU clamp", "expert groups"
-SOFTMAX = ("softmax scores", "no score-correction bias", CLAMP)
+GROUPS = "expert groups"
+SOFTMAX = ("softmax scores", "no score-correction bias")
 BOTH = ("sm_90a", "sm_100a")
+#: The kernels each config asks for; TODAY lists what of it is refused.
+ASKS = {"glm5.yaml": {"mega", "grouped"}, "glm5-tp8.yaml": {"grouped"},
+        "kimi-k2-tp8.yaml": {"grouped"}}  # fmt: skip
 TODAY = {
     "glm5.yaml": {},
-    "glm5-tp8.yaml": {"mega": ((CLAMP,), ("sm_100a",), False), "grouped": ((CLAMP,), (), False)},
-    "deepseek-v3-tp8.yaml": {"mega": ((GROUPS, CLAMP), BOTH, False),
-                             "grouped": ((GROUPS, CLAMP), (), False)},
-    "kimi-k2-tp8.yaml": {"mega": ((CLAMP,), BOTH, False), "grouped": ((CLAMP,), (), False)},
-    "glm4.5-tp4.yaml": {"mega": ((CLAMP,), BOTH, False), "grouped": ((CLAMP,), BOTH, False)},
+    "glm5-tp8.yaml": {},
+    "deepseek-v3-tp8.yaml": {"mega": ((GROUPS,), BOTH, False), "grouped": ((GROUPS,), (), False)},
+    "kimi-k2-tp8.yaml": {},
+    "glm4.5-tp4.yaml": {"mega": ((), BOTH, False), "grouped": ((), BOTH, False)},
     "qwen3-235b-a22b-tp4.yaml": {"mega": (SOFTMAX, BOTH, False), "grouped": (SOFTMAX, BOTH, True)},
     "qwen3-30b-a3b-tp1.yaml": {"mega": (SOFTMAX, BOTH, False), "grouped": (SOFTMAX, (), True)},
 }  # fmt: skip
@@ -334,7 +345,7 @@ def test_what_builds_today(file):
     for which reasons (the table of configs/README.md)."""
     path = ROOT / "configs" / file
     if not TODAY[file]:
-        assert load_config(path).kernels.keys() == set(KERNELS)
+        assert load_config(path).kernels.keys() == ASKS[file] <= set(KERNELS)
         return
     with pytest.raises(ConfigError) as info:
         load_config(path)
@@ -342,7 +353,10 @@ def test_what_builds_today(file):
     for kernel, (routing, shape_archs, shared) in TODAY[file].items():
         rules = [r for k, r in problems if k == f"kernels.{kernel}"]
         family = [r for r in rules if r.startswith(f"the {kernel} kernel routes")]
-        assert len(family) == 1 and all(p in family[0] for p in routing), rules
+        if routing:
+            assert len(family) == 1 and all(p in family[0] for p in routing), rules
+        else:
+            assert family == [], rules
         archs = {a for a in BOTH for r in rules if f"{kernel} on {a} cannot serve" in r}
         assert archs == set(shape_archs), rules
         shared_rule = ("model.shared_experts", KERNEL_SERVES[kernel].shared_rule)
