@@ -8,7 +8,7 @@ JOBS   ?= 2
 # pytest selection; GPU tests skip themselves without a GPU.
 TESTS  ?= tests
 
-.PHONY: install build test lint format bench clean mutations gpu-check
+.PHONY: install build build-all test lint format bench clean mutations gpu-check
 
 # The venv is rebuilt when pyproject.toml changes. torch is installed first on
 # its own: a plain range would pull a multi-GB CUDA build where a CPU wheel
@@ -26,6 +26,15 @@ install: $(VENV)/.installed
 ## build: install, then compile $(CONFIG) for every kernel, arch and bucket into $(OUT)
 build: install
 	$(VENV)/bin/moe-build compile $(CONFIG) -o $(OUT) --jobs $(JOBS)
+
+## build-all: every config under configs/ that validates, each into artifacts/<name>
+## (on 2 cores, uncached: glm5 ~30 s a arch, glm5-tp8 ~50 s, kimi-k2-tp8 ~60 s)
+build-all: install
+	@for c in configs/*.yaml; do n=$$(basename $$c .yaml); \
+	  if $(VENV)/bin/moe-build validate $$c >/dev/null 2>&1; then \
+	    $(VENV)/bin/moe-build compile $$c -o artifacts/$$n --jobs $(JOBS) || exit 1; \
+	  else echo "skip $$c: moe-build validate refuses it (configs/README.md says why)"; fi; \
+	done
 
 ## test: install, then run the test suite (CPU; GPU tests skip without a GPU)
 test: install
