@@ -28,7 +28,7 @@ build: install
 	$(VENV)/bin/moe-build compile $(CONFIG) -o $(OUT) --jobs $(JOBS)
 
 ## build-all: every config under configs/ that validates, each into artifacts/<name>
-## (on 2 cores, uncached: glm5 ~30 s a arch, glm5-tp8 ~50 s, kimi-k2-tp8 ~60 s)
+## (measured on 2 cores, uncached: glm5 58 s, glm5-tp8 44 s, kimi-k2-tp8 63 s; 3 min in all)
 build-all: install
 	@for c in configs/*.yaml; do n=$$(basename $$c .yaml); \
 	  if $(VENV)/bin/moe-build validate $$c >/dev/null 2>&1; then \
