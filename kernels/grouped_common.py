@@ -939,10 +939,20 @@ class GroupedCommon:
             for k in cutlass.range_constexpr(self.top_k):
                 route = Int64(token * self.top_k + k)
                 got = ptx.ld_global_cg_v4_u32(out + (route * self.hidden + column) * 2)
-                mc.add_bf16x8(total, got, ptx.ld_global_cg_f32(weights + route * 4))
+                wk = ptx.ld_global_cg_f32(weights + route * 4)
+                for c in cutlass.range_constexpr(4):
+                    total[2 * c] = total[2 * c] + wk * ptx.bf16_low(got[c])
+                    total[2 * c + 1] = total[2 * c + 1] + wk * ptx.bf16_high(got[c])
             row = (Int64(token) * self.hidden + column) * 2
-            mc.add_bf16x8(total, ptx.ld_global_cg_v4_u32(shared_out + row))
-            mc.store_bf16x8(final + row, total)
+            shared = ptx.ld_global_cg_v4_u32(shared_out + row)
+            words = [
+                ptx.cvt_bf16x2(
+                    total[2 * c] + ptx.bf16_low(shared[c]),
+                    total[2 * c + 1] + ptx.bf16_high(shared[c]),
+                )
+                for c in range(4)
+            ]
+            ptx.st_global_v4_u32(final + row, *words)
 
 
 # -- build -----------------------------------------------------------------------------------

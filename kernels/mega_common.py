@@ -220,11 +220,19 @@ def finish_slice(plan: mp.MegaPlan, base: Int32, e, token, rank, weight, out: In
             for k in cutlass.range_constexpr(plan.top_k):
                 route = Int64(token * plan.top_k + k)
                 got = ptx.ld_global_cg_v4_u32(out + (route * plan.hidden + column) * 2)
-                mc.add_bf16x8(total, got, picks[k])
+                for c in cutlass.range_constexpr(4):
+                    total[2 * c] = total[2 * c] + picks[k] * ptx.bf16_low(got[c])
+                    total[2 * c + 1] = total[2 * c + 1] + picks[k] * ptx.bf16_high(got[c])
             row = (Int64(token) * plan.hidden + column) * 2
             if cutlass.const_expr(plan.shared > 0):
-                mc.add_bf16x8(total, ptx.ld_global_cg_v4_u32(shared_out + row))
-            mc.store_bf16x8(final + row, total)
+                got = ptx.ld_global_cg_v4_u32(shared_out + row)
+                for c in cutlass.range_constexpr(4):
+                    total[2 * c] = total[2 * c] + ptx.bf16_low(got[c])
+                    total[2 * c + 1] = total[2 * c + 1] + ptx.bf16_high(got[c])
+            ptx.st_global_v4_u32(
+                final + row,
+                *(ptx.cvt_bf16x2(total[2 * c], total[2 * c + 1]) for c in range(4)),
+            )
 
 
 def send_word(local_addr: Int32, value, local_bar: Int32, peer) -> None:

@@ -246,23 +246,6 @@ def quantize_activations(values, lanes: cutlass.Constexpr[int], ue8m0: cutlass.C
     return words, sx
 
 
-def add_bf16x8(total, words, scale=None) -> None:
-    """``total[0..8] += scale * v`` (FP32; ``scale`` None: 1) for the eight
-    BF16 values ``v`` of four words, the lower half of each word first: one
-    step of the finalize's weighted sum of BF16 rows."""
-    for c in range(4):
-        lo, hi = ptx.bf16_low(words[c]), ptx.bf16_high(words[c])
-        if scale is not None:
-            lo, hi = scale * lo, scale * hi
-        total[2 * c] = total[2 * c] + lo
-        total[2 * c + 1] = total[2 * c + 1] + hi
-
-
-def store_bf16x8(addr: Int64, total) -> None:
-    """``total[0..8]`` rounded to BF16 (nearest even), as one 16-byte store."""
-    ptx.st_global_v4_u32(addr, *(ptx.cvt_bf16x2(total[2 * c], total[2 * c + 1]) for c in range(4)))
-
-
 def load_bf16x8(addr: Int64, values, first: int) -> None:
     """Eight BF16 at 16-byte aligned ``addr`` into ``values[first:first + 8]``
     as FP32 (one ``ld.global.nc.v4``)."""
