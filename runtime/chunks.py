@@ -35,8 +35,6 @@ serves), ``poison`` (optional) and ``__call__(x, logits, bias)`` -> BF16 [M, H].
 
 from __future__ import annotations
 
-import sys
-
 import torch
 
 from runtime.errors import InputError
@@ -81,9 +79,7 @@ def check_inputs(layer, x, logits, bias) -> int:
     """Validates a call of any M >= 1 as the layer validates one of 1..64
     (``runtime.inputs.check_call``: dtypes, shapes, device, dense row-major,
     16-byte aligned); returns M."""
-    if isinstance(x, torch.Tensor) and x.dim() == 2 and x.shape[0] < 1:
-        raise InputError(f"x: expected M (tokens) >= 1, found {x.shape[0]}")
-    return check_call(x, logits, bias, layer.shape, layer.device, layer.dtypes, sys.maxsize)
+    return check_call(x, logits, bias, layer.shape, layer.device, layer.dtypes, None)
 
 
 def check_output(out, m: int, hidden: int, device: torch.device) -> None:

@@ -69,7 +69,10 @@ def hold(stream: int, owner) -> bool:
 
 
 def release() -> int:
-    """Drops the references of graphs that were destroyed; returns how many."""
+    """Drops the references of graphs that were destroyed; returns how many.
+    Runs at every launch: with nothing released it returns at once."""
+    if not _released:
+        return 0
     dropped = []
     with _lock:
         while _released:

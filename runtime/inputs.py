@@ -41,14 +41,17 @@ def check_tensor(name: str, t, dtype, shape, device: torch.device) -> None:
 
 
 def check_call(x, logits, bias, shape: MoEShape, device: torch.device,
-               logits_dtypes, max_tokens: int = MAX_TOKENS) -> int:  # fmt: skip
+               logits_dtypes, max_tokens: int | None = MAX_TOKENS) -> int:  # fmt: skip
     """Validates one call; returns M. ``logits_dtypes``: names the bound
-    variants accept (``float32``/``bfloat16``)."""
+    variants accept (``float32``/``bfloat16``); ``max_tokens`` None: no upper
+    bound on M (a chunked call)."""
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
         found = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
         raise InputError(f"x: expected a [M, {shape.hidden}] tensor, found {found}")
     m = x.shape[0]
-    if not 1 <= m <= max_tokens:
+    if max_tokens is None and m < 1:
+        raise InputError(f"x: expected M (tokens) >= 1, found {m}")
+    if max_tokens is not None and not 1 <= m <= max_tokens:
         raise InputError(f"x: expected M (tokens) in 1..{max_tokens}, found {m}")
     check_tensor("x", x, torch.bfloat16, (m, shape.hidden), device)
     accepted = tuple(LOGITS[d] for d in logits_dtypes)

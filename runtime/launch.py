@@ -52,7 +52,6 @@ class Launcher:
         kernel = driver.library_kernel(library, variant.entry)
         self.function = driver.kernel_function(kernel, ordinal)
         self._configure(launch)
-        self.cooperative = persistent
         if persistent and not driver.attribute(ordinal, "COOPERATIVE_LAUNCH"):
             raise DeviceRefused(
                 f"variant {variant.name}: a persistent kernel needs cooperative launches; "

@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 
 from runtime import driver, graphs
+from runtime.chunks import run_chunked
 from runtime.constants import KERNELS, TILE
 from runtime.errors import ArtifactError, InputError
 from runtime.inputs import LOGITS, check_call
@@ -62,6 +63,8 @@ class MoELayer:
         self.poison = poison
         self.launchers = {v.name: artifact.launcher(v, self.ordinal) for v in artifact.variants}
         self.variants = {v.name: v for v in artifact.variants}
+        #: Variants that write the MoE output ``final`` themselves (``writes_final``).
+        self.final_writers = {v.name for v in artifact.variants if writes_final(v)}
         self.maps = {}
         for v in artifact.variants:
             if v.tensor_maps not in self.maps:
@@ -133,15 +136,13 @@ class MoELayer:
         chunk re-reads the experts its tokens need)."""
         rows = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() == 2 else 0
         if rows > self.largest:
-            from runtime.chunks import run_chunked
-
             return run_chunked(self, x, logits, bias)
         m, dtype = self._check(x, logits, bias, None)
         step = self.tables[dtype].get(m)
         if step is None:
             raise InputError(f"no {dtype}-logits variant of this artifact serves M = {m}")
         out, ids, weights, shared, final = self._run(step, x, logits, bias, dtype)
-        if writes_final(self._variant(step, dtype)):
+        if self._variant(step, dtype).name in self.final_writers:
             return final[:m]
         out, ids, weights = self._crop(m, out, ids, weights)
         shared = shared[:m] if self.shape.shared_experts else None
@@ -179,7 +180,7 @@ class MoELayer:
         ids = torch.empty(mb * k, dtype=torch.int32, device=dev)
         weights = torch.empty(mb * k, dtype=torch.float32, device=dev)
         shared = torch.empty(mb, h, dtype=torch.bfloat16, device=dev)
-        final = torch.empty_like(shared) if writes_final(variant) else shared
+        final = torch.empty_like(shared) if variant.name in self.final_writers else shared
         if self.poison:
             for t in (out, weights, shared, final):
                 t.fill_(float("nan"))
