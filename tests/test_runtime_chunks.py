@@ -13,15 +13,14 @@ import pytest
 import runtime_fixtures as fx
 import seeding
 import torch
+from layer_fakes import FakeArtifact, TaggedLayer, tags, variant
 
 import runtime.chunks as chunks
-from runtime.artifact import Launch, Variant, WorkspaceNeed
 from runtime.chunks import chunk_plan, run_chunked
 from runtime.errors import InputError
 from runtime.inputs import check_weights
 from runtime.layout import random_moe_weights
 from runtime.model import MoEShape
-from runtime.moe import MoELayer, writes_final
 from runtime.plan import Step, bucket_for
 
 SHAPE = MoEShape(**fx.SMALL_MODEL)
@@ -83,83 +82,18 @@ def test_plan_is_pure_and_refuses_nonsense():
 # run_chunked through MoELayer ------------------------------------------------------------
 
 
-def _variant(kernel, tokens, dtype, finalize=False, final=True):
-    """A variant record; ``final=False``: a mega variant of the ABI without
-    the ``final`` parameter (the layer combines its rows in torch)."""
-    rec = fx.record(kernel, tokens=tokens, dtype=dtype, finalize=finalize)
-    params = tuple((p["name"], p["kind"]) for p in rec["params"])
-    if kernel == "mega" and not final:
-        params = tuple(p for p in params if p[0] != "final")
-    return Variant(
-        name=rec["name"], kernel=kernel, arch="sm_90a", tokens=tokens, logits_dtype=dtype,
-        finalize=finalize, sms=132, entry=rec["entry"], params=params,
-        tensor_maps=tuple(rec["tensor_maps"]), launch=Launch((1, 1, 1), (1, 1, 1), None, 0, False),
-        workspace=tuple(WorkspaceNeed(w["name"], w["bytes"], w["zero"]) for w in rec["workspace"]),
-        sha256="0" * 64, cubin=b"",
-    )  # fmt: skip
-
-
 def _variants(final: bool = True) -> list:
     """The glm5 artifact's variants: mega 1..4 (with the shared expert;
     writing ``final`` unless ``final`` is False), grouped 8..64 with and
     without in-kernel finalize, both logits dtypes."""
-    mega = [_variant("mega", m, d, final=final) for m in (1, 2, 3, 4) for d in DTYPES]
-    grouped = [_variant("grouped", m, d, f) for m in (8, 16, 32, 48, 64) for d in DTYPES
+    mega = [variant("mega", m, d, final=final) for m in (1, 2, 3, 4) for d in DTYPES]
+    grouped = [variant("grouped", m, d, f) for m in (8, 16, 32, 48, 64) for d in DTYPES
                for f in (False, True)]  # fmt: skip
     return mega + grouped
 
 
 DTYPES = ("float32", "bfloat16")
 VARIANTS = _variants()
-
-
-class FakeArtifact:
-    arch = "sm_90a"
-
-    def __init__(self, variants):
-        self.variants = variants
-
-    def launcher(self, variant, ordinal):
-        return None
-
-    def tensor_maps(self, tensors, names, device):
-        return torch.zeros(128 * len(names), dtype=torch.uint8)
-
-
-def tags(x, logits, top_k):
-    """Per-token outputs of the stand-in kernel, exact under any FP32 sum
-    order: route j of token t is x[t] * 2^-j with weight logits[t, j]
-    rounded to eighths (ids 0..k-1), the shared row -x[t] / 2; ``final`` is
-    their weighted sum rounded once to BF16."""
-    weights = torch.round(logits.float()[:, :top_k] * 8) / 8
-    steps = 2.0 ** -torch.arange(top_k, dtype=torch.float32)
-    out = (x.float()[:, None, :] * steps[None, :, None]).reshape(-1, x.shape[1])
-    shared = -x.float() / 2
-    total = x.double() * (weights.double() * steps.double()).sum(-1, keepdim=True)
-    ids = torch.arange(top_k, dtype=torch.int32).expand(x.shape[0], top_k)
-    return {"out": out.to(torch.bfloat16), "ids": ids, "weights": weights,
-            "shared": shared.to(torch.bfloat16),
-            "final": (total + shared.double()).to(torch.bfloat16)}  # fmt: skip
-
-
-class TaggedLayer(MoELayer):
-    """MoELayer whose launch writes ``tags`` of the padded bucket's inputs
-    and records (variant, bucket rows of x)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.calls = []
-
-    def _launch(self, variant, buffers, bucket):
-        x, logits = buffers["x"], buffers["logits"]
-        self.calls.append((variant.name, x.clone()))
-        t = tags(x, logits, SHAPE.top_k)
-        buffers["out"].copy_(t["out"])
-        buffers["ids"].copy_(t["ids"].reshape(-1))
-        buffers["weights"].copy_(t["weights"].reshape(-1))
-        buffers["shared_out"].copy_(t["shared"])
-        if writes_final(variant):
-            buffers["final"].copy_(t["final"])
 
 
 @pytest.fixture(scope="module")
@@ -194,7 +128,7 @@ def test_run_chunked_equals_the_per_token_outputs(weights, m, dtype, final):
     assert torch.equal(got, tags(x, logits, SHAPE.top_k)["final"]), seeding.rerun_hint()
     plan = chunk_plan(m, GLM5_BUCKETS)
     assert len(layer.calls) == len(plan)
-    for (name, padded), (start, rows) in zip(layer.calls, plan, strict=True):
+    for (name, padded, _), (start, rows) in zip(layer.calls, plan, strict=True):
         bucket = bucket_for(rows, GLM5_BUCKETS)
         assert padded.shape[0] == bucket and f"-m{bucket}-" in name
         assert torch.equal(padded[:rows], x[start : start + rows])

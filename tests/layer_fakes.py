@@ -1,0 +1,112 @@
+"""Stand-ins for CPU tests of the bound layer (runtime.moe): variant records
+of each mega ABI, an artifact that launches nothing, and ``TaggedLayer``,
+the real ``MoELayer`` whose launch writes ``tags`` (exact per-token functions
+of its inputs) instead of running a kernel, so every output the layer
+returns can be predicted from the caller's rows."""
+
+from __future__ import annotations
+
+import runtime_fixtures as fx
+import torch
+
+from kernels import abi
+from runtime.artifact import Launch, Variant, WorkspaceNeed
+from runtime.model import MoEShape
+from runtime.moe import MoELayer, computes_shared, writes_final
+
+SHAPE = MoEShape(**fx.SMALL_MODEL)
+
+
+#: The mega kernel's routed-only ABI (kernels/abi.py); fx.record's default
+#: is the ABI with the shared expert and the in-kernel finalize.
+MEGA_ROUTED = {
+    "params": [{"name": p, "kind": "pointer"} for p in abi.MEGA_ROUTED_PARAMS],
+    "tensor_maps": list(abi.MEGA_ROUTED_MAPS),
+}
+#: The mega ABI of artifacts built before the in-kernel finalize: shared rows
+#: but no ``final`` (the layer sums the routes in torch).
+MEGA_NO_FINAL = {
+    "params": [{"name": p, "kind": "pointer"} for p in abi.MEGA_PARAMS
+               if p not in ("final", "arrivals")],
+    "tensor_maps": list(abi.MEGA_MAPS), "workspace": [],
+}  # fmt: skip
+
+
+def variant(kernel, tokens, dtype, finalize=False, shared=True, final=True):
+    """A variant record; mega ones with the shared expert unless ``shared``
+    is False (the older routed-only ABI) and with the in-kernel finalize
+    unless ``final`` is False."""
+    extra = {}
+    if kernel == "mega":
+        extra = MEGA_ROUTED if not shared else ({} if final else MEGA_NO_FINAL)
+    rec = fx.record(kernel, tokens=tokens, dtype=dtype, finalize=finalize, **extra)
+    return Variant(
+        name=rec["name"], kernel=kernel, arch="sm_90a", tokens=tokens, logits_dtype=dtype,
+        finalize=finalize, sms=132, entry=rec["entry"],
+        params=tuple((p["name"], p["kind"]) for p in rec["params"]),
+        tensor_maps=tuple(rec["tensor_maps"]), launch=Launch((1, 1, 1), (1, 1, 1), None, 0, False),
+        workspace=tuple(WorkspaceNeed(w["name"], w["bytes"], w["zero"]) for w in rec["workspace"]),
+        sha256="0" * 64, cubin=b"",
+    )  # fmt: skip
+
+
+class FakeArtifact:
+    arch = "sm_90a"
+
+    def __init__(self, variants):
+        self.variants = variants
+
+    def launcher(self, variant, ordinal):
+        return None
+
+    def tensor_maps(self, tensors, names, device):
+        return torch.zeros(128 * len(names), dtype=torch.uint8)
+
+
+def tags(x, logits, top_k):
+    """What the stand-in kernel writes for tokens ``x`` [T, H] (BF16) and
+    ``logits`` [T, E]: simple functions of each token's own row, chosen so
+    that every sum the layer takes of them is exact in FP32.
+
+    ids [T, k]: the token's top-k logits, best first; weights [T, k]: those
+    logits rounded to eighths; out row t*k + j: x[t] * 2^-j; shared row t:
+    -x[t] / 2; final [T, H]: sum_j weights * out + shared, rounded once to
+    BF16."""
+    ids = torch.topk(logits.float(), top_k, dim=-1).indices
+    weights = torch.round(logits.float().gather(1, ids) * 8) / 8
+    steps = 2.0 ** -torch.arange(top_k, dtype=torch.float32)
+    out = (x.float()[:, None, :] * steps[None, :, None]).reshape(-1, x.shape[1])
+    shared = -x.float() / 2
+    coeff = (weights.double() * steps.double()).sum(-1, keepdim=True)  # [T, 1]
+    routed = x.double() * coeff
+    return {
+        "ids": ids.to(torch.int32), "weights": weights, "out": out.to(torch.bfloat16),
+        "shared": shared.to(torch.bfloat16), "routed": routed,
+        "final": (routed + shared.double()).to(torch.bfloat16),
+    }  # fmt: skip
+
+
+class TaggedLayer(MoELayer):
+    """The layer with its launch replaced by a stand-in kernel writing
+    ``tags`` of the padded bucket's inputs (mega variants without
+    ``shared_out`` leave it unwritten, as the kernel does; ``skip``: outputs
+    left unwritten). No MoE math: what the layer returns can be predicted
+    exactly from the caller's (unpadded) inputs."""
+
+    def __init__(self, *args, skip=(), **kwargs):
+        super().__init__(*args, **kwargs)
+        self.skip, self.calls = skip, []
+
+    def _launch(self, variant, buffers, bucket):
+        x, logits = buffers["x"], buffers["logits"]
+        assert x.shape[0] == bucket and logits.shape[0] == bucket
+        self.calls.append((variant.name, x.clone(), logits.clone()))
+        t = tags(x, logits, SHAPE.top_k)
+        results = {"out": t["out"], "ids": t["ids"].view(-1), "weights": t["weights"].view(-1)}
+        if computes_shared(variant):
+            results["shared_out"] = t["shared"]
+        if writes_final(variant):
+            results["final"] = t["final"]
+        for name, value in results.items():
+            if name not in self.skip:
+                buffers[name].copy_(value)
