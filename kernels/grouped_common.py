@@ -308,6 +308,7 @@ class GroupedCommon:
         self.limit, self.scale, self.ue8m0 = spec.limit, spec.scale, spec.ue8m0
         self.finalize = spec.finalize
         self.logits_bf16 = spec.logits_dtype == "bfloat16"
+        self.routing = spec.routing
         self.nk1, self.nk2, self.pairs, self.tiles2 = plan.nk1, plan.nk2, plan.pairs, plan.tiles2
         self.span, self.unit1, self.job = plan.span, plan.unit1, plan.job
         self.routes, self.shared_units = plan.routes, plan.shared_units
@@ -401,7 +402,7 @@ class GroupedCommon:
         esize = 2 if self.logits_bf16 else 4
         row = logits + Int64(token) * (self.experts * esize)
         expert, weight = mc.route_token(
-            row, bias, lane, self.experts, self.top_k, self.scale, self.logits_bf16
+            row, bias, lane, self.experts, self.top_k, self.scale, self.logits_bf16, self.routing
         )
         if lane < self.top_k:
             route = Int64(token * self.top_k + lane)

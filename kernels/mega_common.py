@@ -82,13 +82,13 @@ def resolve(plan: mp.MegaPlan, group, maps: Int64, w13_scale: Int64, w2_scale: I
 @cute.jit
 def route_and_record(plan: mp.MegaPlan, row_logits: Int64, bias: Int64, lane, k, route,
                      ids: Int64, weights: Int64, record, scale: cutlass.Constexpr[float],
-                     logits_bf16: cutlass.Constexpr[bool]):  # fmt: skip
+                     logits_bf16: cutlass.Constexpr[bool], routing: cutlass.Constexpr):  # fmt: skip
     """Routes the token with this warp (``moe_common.route_token``): returns
     ``(expert, weight)``, pick ``k``'s expert (warp-uniform) and this lane's
     routing weight (lane j < top_k holds route j's, for ``finish_slice``);
     when ``record``, lane ``k`` stores ``ids[route]`` and ``weights[route]``."""
     ident, weight = mc.route_token(row_logits, bias, lane, plan.experts, plan.top_k, scale,
-                                   logits_bf16)  # fmt: skip
+                                   logits_bf16, routing)  # fmt: skip
     if record:
         if lane == k:
             ptx.st_global_u32(ids + Int64(route) * 4, Uint32(ident))

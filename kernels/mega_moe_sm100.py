@@ -58,7 +58,7 @@ from kernels import mega_plan as mp
 from kernels import moe_common as mc
 from kernels import ptx
 from kernels.ptx import tcgen05 as tc
-from kernels.spec import CompiledKernel, KernelSpec, LaunchShape, Param, Workspace
+from kernels.spec import CompiledKernel, KernelSpec, LaunchShape, Param, Routing, Workspace
 from runtime.constants import TILE
 
 ARCH = "sm_100a"
@@ -78,10 +78,10 @@ class MegaKernel:
     """One variant (its ``mega_plan.MegaPlan``) of the Blackwell mega kernel."""
 
     def __init__(self, plan: mp.MegaPlan, *, scale: float, limit: float | None, ue8m0: bool,
-                 logits_bf16: bool):  # fmt: skip
+                 logits_bf16: bool, routing: Routing):  # fmt: skip
         self.plan = plan
         self.scale, self.limit, self.ue8m0 = scale, limit, ue8m0
-        self.logits_bf16 = logits_bf16
+        self.logits_bf16, self.routing = logits_bf16, routing
 
     def launch_shape(self) -> LaunchShape:
         plan = self.plan
@@ -231,15 +231,15 @@ class MegaKernel:
             if is_shared:
                 _, weight = mgc.route_and_record(plan, row_logits, bias, lane, k, route, ids,
                                                  weights, False, self.scale,
-                                                 self.logits_bf16)  # fmt: skip
+                                                 self.logits_bf16, self.routing)  # fmt: skip
             else:
                 expert, weight = mgc.route_and_record(plan, row_logits, bias, lane, k, route, ids,
                                                       weights, record, self.scale,
-                                                      self.logits_bf16)  # fmt: skip
+                                                      self.logits_bf16, self.routing)  # fmt: skip
         else:
             expert, weight = mgc.route_and_record(plan, row_logits, bias, lane, k, route, ids,
                                                   weights, record, self.scale,
-                                                  self.logits_bf16)  # fmt: skip
+                                                  self.logits_bf16, self.routing)  # fmt: skip
 
         if warp == 0:
             if lane == 0:
@@ -410,7 +410,8 @@ def compile_kernel(spec: KernelSpec) -> CompiledKernel:
         raise ValueError(f"{__name__} builds mega/{ARCH}, not {spec.kernel}/{spec.arch}")
     plan = mp.plan_of(spec)
     kernel = MegaKernel(plan, scale=spec.scale, limit=spec.limit, ue8m0=spec.ue8m0,
-                        logits_bf16=spec.logits_dtype == "bfloat16")  # fmt: skip
+                        logits_bf16=spec.logits_dtype == "bfloat16",
+                        routing=spec.routing)  # fmt: skip
     entry = kernel if plan.shared else kernel.routed_only
     cubin, ptx_text, name, params, maps = mgc.compile_mega(
         entry, plan, spec.logits_dtype, ENTRY_PREFIX

@@ -93,6 +93,7 @@ class MegaMoeSm90:
         self.hidden, self.experts, self.top_k = plan.hidden, plan.experts, plan.top_k
         self.scale, self.limit, self.ue8m0 = spec.scale, spec.limit, spec.ue8m0
         self.logits_bf16 = spec.logits_dtype == "bfloat16"
+        self.routing = spec.routing
         self.stages, self.ctas_per_sm, self.cluster = plan.stages, plan.ctas_per_sm, plan.cluster
         self.nk1, self.nk2, self.tiles2, self.rows2 = plan.nk1, plan.nk2, plan.tiles2, plan.rows2
 
@@ -231,11 +232,11 @@ class MegaMoeSm90:
                     ptx.griddepcontrol_wait()
                     # The first load waits on this: stop selecting after round k.
                     expert = route_pick(row_logits, bias, lane, k, self.experts, self.top_k,
-                                        self.logits_bf16)  # fmt: skip
+                                        self.logits_bf16, self.routing)  # fmt: skip
             else:
                 ptx.griddepcontrol_wait()
                 expert = route_pick(row_logits, bias, lane, k, self.experts, self.top_k,
-                                    self.logits_bf16)  # fmt: skip
+                                    self.logits_bf16, self.routing)  # fmt: skip
             if lane == 0:
                 self.produce(base, full, empty, map1, map2, expert, rank)
             else:
@@ -251,15 +252,15 @@ class MegaMoeSm90:
                 if is_shared:
                     _, weight = mgc.route_and_record(plan, row_logits, bias, lane, k, route, ids,
                                                      weights, False, self.scale,
-                                                     self.logits_bf16)  # fmt: skip
+                                                     self.logits_bf16, self.routing)  # fmt: skip
                 else:
                     expert, weight = mgc.route_and_record(plan, row_logits, bias, lane, k, route,
                                                           ids, weights, record, self.scale,
-                                                          self.logits_bf16)  # fmt: skip
+                                                          self.logits_bf16, self.routing)  # fmt: skip
             else:
                 expert, weight = mgc.route_and_record(plan, row_logits, bias, lane, k, route, ids,
                                                       weights, record, self.scale,
-                                                      self.logits_bf16)  # fmt: skip
+                                                      self.logits_bf16, self.routing)  # fmt: skip
             self.consume(
                 base, full, empty, gate_in, hrecv, tid, lane, rank, token, expert, scale1,
                 scale2, x, rows1, rows2, row,

@@ -13,7 +13,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
 
-from kernels import ptx
+from kernels import ptx, routing
 from runtime.constants import FP8_MAX
 
 SCALE_FLOOR = 1e-10  # amax floor of every quantization scale
@@ -73,10 +73,25 @@ def group_amax(value: Float32, lanes: cutlass.Constexpr[int]) -> Float32:
 
 
 @cute.jit
+def group_sum(value: Float32, lanes: cutlass.Constexpr[int]) -> Float32:
+    """Sum over groups of ``lanes`` consecutive lanes (as ``group_amax``;
+    butterfly order, so every lane gets the same sum)."""
+    result = value
+    for i in cutlass.range_constexpr(lanes.bit_length() - 1):
+        result = result + cute.arch.shuffle_sync_bfly(result, offset=1 << i, mask=-1)
+    return result
+
+
+@cute.jit
 def _route_keys(logits, bias, lane, experts: cutlass.Constexpr[int],
-                logits_bf16: cutlass.Constexpr[bool]):  # fmt: skip
-    """Scores (sigmoid of the logits) and order keys (of score + bias) of the
-    experts lane l holds (l + 32 j), as two register tensors."""
+                logits_bf16: cutlass.Constexpr[bool], routing: cutlass.Constexpr):  # fmt: skip
+    """Scores and order keys (of score + bias) of the experts lane l holds
+    (l + 32 j), as two register tensors. ``routing`` (``kernels.spec.Routing``,
+    fixed at compile time): scores are the sigmoid of each logit, or the
+    softmax over the token's experts (``e^(l - max) / sum``: the max and the
+    sum over the warp); the bias is added only when ``routing.bias``; with
+    ``routing.limits_groups`` the keys outside the token's kept groups are
+    ``routing.MASKED_KEY`` (``_keep_groups``)."""
     per = experts // 32
     scores = cute.make_rmem_tensor(cute.make_layout((per,)), Float32)
     offsets = cute.make_rmem_tensor(cute.make_layout((per,)), Float32)
@@ -88,11 +103,54 @@ def _route_keys(logits, bias, lane, experts: cutlass.Constexpr[int],
             scores[j] = ptx.bf16_low(ptx.ld_global_nc_u16(logits + expert * 2))
         else:
             scores[j] = ptx.ld_global_nc_f32(logits + expert * 4)
-        offsets[j] = ptx.ld_global_nc_f32(bias + expert * 4)
+        if cutlass.const_expr(routing.bias):
+            offsets[j] = ptx.ld_global_nc_f32(bias + expert * 4)
+    if cutlass.const_expr(routing.score == "softmax"):
+        top = scores[0]
+        for j in cutlass.range_constexpr(1, per):
+            top = ptx.fmax_nan(top, scores[j])
+        top = group_amax(top, 32)
+        total = Float32(0.0)
+        for j in cutlass.range_constexpr(per):
+            scores[j] = ptx.ex2_approx((scores[j] - top) * Float32(LOG2E))
+            total = total + scores[j]
+        total = group_sum(total, 32)
+        for j in cutlass.range_constexpr(per):
+            scores[j] = ptx.div_rn(scores[j], total)
     for j in cutlass.range_constexpr(per):
-        scores[j] = sigmoid(scores[j])
-        keys[j] = ptx.float_order_key(scores[j] + offsets[j])
+        if cutlass.const_expr(routing.score == "sigmoid"):
+            scores[j] = sigmoid(scores[j])
+        if cutlass.const_expr(routing.bias):
+            keys[j] = ptx.float_order_key(scores[j] + offsets[j])
+        else:
+            keys[j] = ptx.float_order_key(scores[j])
+    if cutlass.const_expr(routing.limits_groups):
+        _keep_groups(keys, lane, experts, routing.groups, routing.groups_kept)
     return scores, keys
+
+
+class _WarpOps:
+    """``kernels.routing``'s operations on the device: DSL registers of each
+    lane, ``redux.sync`` reductions over the warp."""
+
+    int32, uint32 = Int32, Uint32
+    redux_max = staticmethod(ptx.redux_max_u32)
+    redux_min = staticmethod(ptx.redux_min_u32)
+    key_value = staticmethod(ptx.order_key_float)
+
+    @staticmethod
+    def select(cond, a, b):
+        return type(a)(cutlass.select_(cond, a, type(a)(b)))
+
+
+def _keep_groups(keys, lane, experts: int, groups: int, kept: int) -> None:
+    """Sets the keys (a register tensor) of the experts outside the token's
+    ``kept`` best groups to ``routing.MASKED_KEY`` (``kernels.routing.keep_groups``)."""
+    per = cute.size(keys)
+    kept_keys = routing.keep_groups([keys[j] for j in range(per)], lane, experts, groups, kept,
+                                    routing.MASKED_KEY, _WarpOps)  # fmt: skip
+    for j in range(per):
+        keys[j] = kept_keys[j]
 
 
 @cute.jit
@@ -160,11 +218,12 @@ def route_pick(
     experts: cutlass.Constexpr[int],
     top_k: cutlass.Constexpr[int],
     logits_bf16: cutlass.Constexpr[bool],
+    routing: cutlass.Constexpr,
 ) -> Int32:
     """Expert of route ``k`` (0-based, selection order) of one token, with one
     warp (warp-uniform result): ``route_token``'s selection, stopped after
     round ``k`` (no weight), for a caller whose next step waits on it."""
-    _, keys = _route_keys(logits, bias, lane, experts, logits_bf16)
+    _, keys = _route_keys(logits, bias, lane, experts, logits_bf16, routing)
     ks, es = _sort_candidates(keys, lane)
     pick = Int32(0)
     for r in cutlass.range_constexpr(top_k):
@@ -182,6 +241,7 @@ def route_token(
     top_k: cutlass.Constexpr[int],
     scale: cutlass.Constexpr[float],
     logits_bf16: cutlass.Constexpr[bool],
+    routing: cutlass.Constexpr,
 ):
     """Routes one token with one warp: returns ``(expert, weight)`` where lane
     k < top_k holds route k (selection order, best first); other lanes hold
@@ -189,14 +249,17 @@ def route_token(
 
     ``logits``: address of the token's row of ``experts`` router logits (FP32,
     or BF16 when ``logits_bf16``); ``bias``: address of the FP32 [experts]
-    score-correction bias. Scores ``s = sigmoid(logit)`` (FP32); the top_k
-    largest ``s + bias`` win, ties to the lower expert (a uint32 order key;
-    each lane's candidates sorted once, then per round ``redux.sync`` max of
-    the lanes' heads and min expert among the lanes holding it);
-    ``weight_k = s_k / sum_j s_j * scale`` (sum in selection order). Lane l
-    holds experts l + 32 j, so ``experts`` must be a multiple of 32. Issue it
-    after ``griddepcontrol.wait`` (it reads inputs)."""
-    scores, keys = _route_keys(logits, bias, lane, experts, logits_bf16)
+    score-correction bias (not read without ``routing.bias``). Scores ``s``
+    (FP32) by ``routing`` (``_route_keys``: sigmoid or softmax); the top_k
+    largest ``s + bias`` win (only the kept groups' experts when groups are
+    dropped), ties to the lower expert (a uint32 order key; each lane's
+    candidates sorted once, then per round ``redux.sync`` max of the lanes'
+    heads and min expert among the lanes holding it); ``weight_k = s_k /
+    sum_j s_j * scale`` (sum in selection order), or ``s_k * scale`` without
+    ``routing.renormalize``. Lane l holds experts l + 32 j, so ``experts``
+    must be a multiple of 32. Issue it after ``griddepcontrol.wait`` (it reads
+    inputs)."""
+    scores, keys = _route_keys(logits, bias, lane, experts, logits_bf16, routing)
     ks, es = _sort_candidates(keys, lane)
     total = Float32(0.0)
     mine = Int32(0)
@@ -204,11 +267,14 @@ def route_token(
     for r in cutlass.range_constexpr(top_k):
         winner = _take_head(ks, es)
         score = _score_of(scores, winner, lane)
-        total = total + score
+        if cutlass.const_expr(routing.renormalize):
+            total = total + score
         if lane == r:
             mine = winner
             picked = score
-    return mine, ptx.div_rn(picked, total) * Float32(scale)
+    if cutlass.const_expr(routing.renormalize):
+        return mine, ptx.div_rn(picked, total) * Float32(scale)
+    return mine, picked * Float32(scale)
 
 
 # -- quantization --------------------------------------------------------------------------

@@ -80,6 +80,38 @@ class KernelSpec:
     #: Shared experts the layer adds (0 or 1): the mega kernels compute it in
     #: extra routes when 1.
     shared_experts: int = 1
+    #: Routing family (``runtime.model.MoEShape``'s fields of the same names;
+    #: the defaults are GLM-5's): the score function (``sigmoid`` or
+    #: ``softmax`` over all experts), whether a score-correction bias is added
+    #: for selection, ``groups`` equal expert groups of which the
+    #: ``groups_kept`` best are kept, and whether the weights are divided by
+    #: their sum.
+    score: str = "sigmoid"
+    bias: bool = True
+    groups: int = 1
+    groups_kept: int = 1
+    renormalize: bool = True
+
+    @property
+    def routing(self) -> Routing:
+        return Routing(self.score, self.bias, self.groups, self.groups_kept, self.renormalize)
+
+
+@dataclass(frozen=True)
+class Routing:
+    """The routing family a kernel is compiled for (``KernelSpec.routing``),
+    a compile-time value of the device routing (``kernels/moe_common``)."""
+
+    score: str = "sigmoid"
+    bias: bool = True
+    groups: int = 1
+    groups_kept: int = 1
+    renormalize: bool = True
+
+    @property
+    def limits_groups(self) -> bool:
+        """Whether a token drops expert groups (``groups_kept < groups``)."""
+        return self.groups_kept < self.groups
 
 
 @dataclass(frozen=True)

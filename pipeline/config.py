@@ -19,6 +19,7 @@ from pathlib import Path
 
 import yaml
 
+from kernels.routing import MAX_GROUPS
 from kernels.shapes import unsupported
 from runtime.constants import ARCHS, KERNELS, LOGITS_DTYPES, MAX_TOKENS, TILE
 from runtime.model import SCORES, MoEShape
@@ -358,18 +359,20 @@ class KernelServes:
         return f"routes {scores}{bias} scores {groups} into {weights} weights and {clamp}"
 
 
-#: kernel -> what it serves. Both kernels route in one warp: sigmoid of every
-#: logit, the top_k largest score + bias (no group stage), weights from the
-#: unbiased scores renormalized and scaled (kernels/moe_common.py), and both
-#: run SwiGLU with the compiled clamp or, for a model without one, none.
+#: kernel -> what it serves. Both kernels route in one warp
+#: (kernels/moe_common.py, kernels/routing.py): sigmoid or softmax scores,
+#: the top_k largest score (+ bias), within the best groups when the model
+#: drops groups (at most ``routing.MAX_GROUPS``), weights from the unbiased
+#: scores, renormalized or not, times the routed scale; and both run SwiGLU
+#: with the compiled clamp or, for a model without one, none.
 KERNEL_SERVES = {
     "mega": KernelServes(
-        score=("sigmoid",), bias=(True,), group_limited=False, renormalize=(True,),
+        score=SCORES, bias=(True, False), group_limited=True, renormalize=(True, False),
         needs_clamp=False, shared_experts=(0, 1),
         shared_rule="the mega kernel runs 0 or 1 shared experts",
     ),
     "grouped": KernelServes(
-        score=("sigmoid",), bias=(True,), group_limited=False, renormalize=(True,),
+        score=SCORES, bias=(True, False), group_limited=True, renormalize=(True, False),
         needs_clamp=False, shared_experts=(1,),
         shared_rule="the grouped kernel computes exactly one shared expert",
     ),
@@ -389,6 +392,9 @@ def routing_differences(kernel: str, model: MoEShape) -> list[str]:
     if model.groups_kept < model.groups and not serves.group_limited:
         out.append(f"selects within the best {model.groups_kept} of {model.groups} expert "
                    "groups (model.groups)")  # fmt: skip
+    elif model.groups_kept < model.groups and model.groups > MAX_GROUPS:
+        out.append(f"ranks {model.groups} expert groups, more than the routing warp's "
+                   f"{MAX_GROUPS} (model.groups)")  # fmt: skip
     if model.renormalize not in serves.renormalize:
         does = "renormalizes" if model.renormalize else "does not renormalize"
         out.append(f"{does} its weights (model.renormalize)")

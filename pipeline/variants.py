@@ -42,6 +42,11 @@ class Variant:
             finalize=self.finalize,
             sms=self.sms,
             shared_experts=m.shared_experts,
+            score=m.score,
+            bias=m.bias,
+            groups=m.groups,
+            groups_kept=m.groups_kept,
+            renormalize=m.renormalize,
         )
 
 

@@ -236,27 +236,38 @@ def test_softmax_with_or_without_bias_is_a_valid_model():
         assert cfg.model.score == "softmax" and cfg.model.bias is bias
 
 
-REFUSED = [
-    ({"score": "softmax"}, "uses softmax scores (model.score)"),
-    ({"bias": False}, "has no score-correction bias (model.bias)"),
-    ({"groups": 8, "groups_kept": 4}, "best 4 of 8 expert groups (model.groups)"),
-    ({"renormalize": False}, "does not renormalize its weights (model.renormalize)"),
+FAMILIES = [
+    {"score": "softmax"},
+    {"score": "softmax", "bias": False, "renormalize": True},
+    {"bias": False},
+    {"groups": 8, "groups_kept": 4},
+    {"groups": 32, "groups_kept": 4},
+    {"renormalize": False},
 ]
 
 
-@pytest.mark.parametrize("model,phrase", REFUSED, ids=[r[1].split("(")[1][:-1] for r in REFUSED])
-def test_kernels_refuse_a_routing_family_they_do_not_run(model, phrase):
-    problems = _problems(_routed(**model))
+@pytest.mark.parametrize("model", FAMILIES, ids=lambda m: ",".join(f"{k}={v}" for k, v in m.items()))
+def test_kernels_compile_every_routing_family_into_their_specs(model):
+    from pipeline.variants import expand
+
+    cfg = validate(_routed(**model))
+    specs = {v.spec(cfg) for v in expand(cfg)}
+    for key, value in model.items():
+        assert {getattr(s, key) for s in specs} == {value}, key
+    assert {s.routing for s in specs} == {specs.pop().routing}
+
+
+def test_kernels_refuse_more_groups_than_the_routing_warp_ranks():
+    problems = _problems(_routed(groups=72, groups_kept=2))
     for kernel in KERNELS:
         rules = [r for k, r in problems if k == f"kernels.{kernel}"]
         assert len(rules) == 1, problems
-        assert rules[0].startswith(f"the {kernel} kernel routes sigmoid + bias scores without "
-                                   "expert groups into renormalized weights and runs SwiGLU "
-                                   "with or without a clamp; this model ")  # fmt: skip
-        assert phrase in rules[0]
+        assert rules[0].startswith(f"the {kernel} kernel routes sigmoid or softmax (+ bias or "
+                                   "not) scores within kept expert groups")  # fmt: skip
+        assert "ranks 72 expert groups, more than the routing warp's 32 (model.groups)" in rules[0]
     # Only the kernels object: the model itself is valid.
     assert {k for k, _ in problems} == {f"kernels.{k}" for k in KERNELS}
-    validate(_routed(**model), check_kernels=False)
+    validate(_routed(groups=72, groups_kept=2), check_kernels=False)
 
 
 def test_a_model_without_a_swiglu_clamp_builds():
@@ -307,11 +318,11 @@ ASKS = {"glm5.yaml": {"mega", "grouped"}, "glm5-tp8.yaml": {"grouped"},
 TODAY = {
     "glm5.yaml": {},
     "glm5-tp8.yaml": {},
-    "deepseek-v3-tp8.yaml": {"mega": ((GROUPS,), BOTH, False), "grouped": ((GROUPS,), (), False)},
+    "deepseek-v3-tp8.yaml": {"mega": ((), BOTH, False), "grouped": ((), (), False)},
     "kimi-k2-tp8.yaml": {},
     "glm4.5-tp4.yaml": {"mega": ((), BOTH, False), "grouped": ((), BOTH, False)},
-    "qwen3-235b-a22b-tp4.yaml": {"mega": (SOFTMAX, BOTH, False), "grouped": (SOFTMAX, BOTH, True)},
-    "qwen3-30b-a3b-tp1.yaml": {"mega": (SOFTMAX, BOTH, False), "grouped": (SOFTMAX, (), True)},
+    "qwen3-235b-a22b-tp4.yaml": {"mega": ((), BOTH, False), "grouped": ((), BOTH, True)},
+    "qwen3-30b-a3b-tp1.yaml": {"mega": ((), BOTH, False), "grouped": ((), (), True)},
 }  # fmt: skip
 
 
@@ -372,10 +383,10 @@ def test_configs_are_documented():
         assert f"`{file}`" in readme and f"configs/{file}" in models, file
 
 
-def test_cli_validate_names_the_routing_it_cannot_build():
-    result = CliRunner().invoke(
-        main, ["validate", str(ROOT / "configs" / "qwen3-30b-a3b-tp1.yaml")]
-    )
+def test_cli_validate_names_the_routing_it_cannot_build(tmp_path):
+    path = tmp_path / "groups.yaml"
+    path.write_text(yaml.safe_dump(_routed(groups=72, groups_kept=2)))
+    result = CliRunner().invoke(main, ["validate", str(path)])
     assert result.exit_code == 2
-    assert "kernels.grouped: the grouped kernel routes sigmoid + bias" in result.output
-    assert "uses softmax scores (model.score)" in result.output
+    assert "kernels.grouped: the grouped kernel routes sigmoid or softmax" in result.output
+    assert "ranks 72 expert groups, more than the routing warp's 32" in result.output

@@ -53,6 +53,7 @@ from .convert import (  # noqa: F401
     cvt_e4m3x4,
     float_bits,
     float_order_key,
+    order_key_float,
     round_e4m3,
 )
 from .fmath import (  # noqa: F401

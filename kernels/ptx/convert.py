@@ -90,3 +90,16 @@ def float_order_key(value, *, loc=None, ip=None) -> Uint32:
         "{ .reg .b32 m; shr.s32 m, $1, 31; or.b32 m, m, 0x80000000; xor.b32 $0, $1, m; }",
         "u", "u", (float_bits(value, loc=loc, ip=ip),), side_effects=False, loc=loc, ip=ip,
     )  # fmt: skip
+
+
+@dsl_user_op
+def order_key_float(key, *, loc=None, ip=None) -> Float32:
+    """The FP32 value of a ``float_order_key`` key (its inverse): flip only
+    the sign of a key with the top bit set (a non-negative float), every bit
+    of the rest."""
+    bits = asm(
+        "{ .reg .b32 m; not.b32 m, $1; shr.s32 m, m, 31; or.b32 m, m, 0x80000000; "
+        "xor.b32 $0, $1, m; }",
+        "u", "u", (Uint32(key),), side_effects=False, loc=loc, ip=ip,
+    )  # fmt: skip
+    return bits_float(bits, loc=loc, ip=ip)
