@@ -22,13 +22,17 @@ MEGA_MAPS = ("w13", "w2", "s13", "s2")
 MEGA_ROUTED_PARAMS = tuple(p for p in MEGA_PARAMS if p not in ("s13_scale", "s2_scale",
                                                                 "shared_out"))  # fmt: skip
 MEGA_ROUTED_MAPS = ("w13", "w2")
-#: The grouped kernel's (both archs; every one a pointer).
+#: The grouped kernel's (both archs; every one a pointer), with the shared
+#: expert and routed only.
 GROUPED_PARAMS = (
     "maps", "w13_scale", "w2_scale", "s13_scale", "s2_scale", "s13", "s2", "x", "logits",
     "bias", "rows", "out", "shared_out", "final", "ids", "weights", "plan_x", "plan_s",
     "hidden", "hscale", "partial", "counters",
 )  # fmt: skip
 GROUPED_MAPS = ("w13", "w2", "s13", "s2")
+GROUPED_ROUTED_PARAMS = tuple(p for p in GROUPED_PARAMS if p not in ("s13_scale", "s2_scale",
+                                                                      "s13", "s2", "shared_out"))  # fmt: skip
+GROUPED_ROUTED_MAPS = ("w13", "w2")
 
 
 def shapes(hidden: int, inter: int, experts: int, top_k: int, tokens: int, maps: int,

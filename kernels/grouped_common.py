@@ -93,7 +93,13 @@ from cutlass import Float32, Int32, Int64, Uint32
 from kernels import grouped_plan as gp
 from kernels import moe_common as mc
 from kernels import ptx
-from kernels.abi import GROUPED_MAPS, GROUPED_PARAMS, fake_arguments
+from kernels.abi import (
+    GROUPED_MAPS,
+    GROUPED_PARAMS,
+    GROUPED_ROUTED_MAPS,
+    GROUPED_ROUTED_PARAMS,
+    fake_arguments,
+)
 from kernels.build_common import compile_entry
 from kernels.grouped_plan import (
     DEPTH,
@@ -117,8 +123,10 @@ from kernels.spec import CompiledKernel, LaunchShape, Param, Workspace
 from runtime.constants import SMEM_LIMIT, TILE
 
 #: Both kernels' parameters and tensor maps (``weight_box``'s map indices
-#: 0..3): kernels/abi.py.
+#: 0..3): kernels/abi.py; a model without a shared expert drops the shared
+#: expert's (``ROUTED_PARAMS``, ``ROUTED_MAPS``: maps 0 and 1 only).
 PARAMS, TENSOR_MAPS = GROUPED_PARAMS, GROUPED_MAPS
+ROUTED_PARAMS, ROUTED_MAPS = GROUPED_ROUTED_PARAMS, GROUPED_ROUTED_MAPS
 THREADS = 256
 EPILOGUE_THREADS = 128
 #: A stage's full barrier: the producer's expect_tx, then per gatherer lane its
@@ -309,6 +317,10 @@ class GroupedCommon:
         self.finalize = spec.finalize
         self.logits_bf16 = spec.logits_dtype == "bfloat16"
         self.routing = spec.routing
+        self.shared_experts = plan.shared_experts
+        #: The variant's parameters and tensor maps (with or without the shared expert's).
+        self.params = PARAMS if self.shared_experts else ROUTED_PARAMS
+        self.maps = TENSOR_MAPS if self.shared_experts else ROUTED_MAPS
         self.nk1, self.nk2, self.pairs, self.tiles2 = plan.nk1, plan.nk2, plan.pairs, plan.tiles2
         self.span, self.unit1, self.job = plan.span, plan.unit1, plan.job
         self.routes, self.shared_units = plan.routes, plan.shared_units
@@ -928,7 +940,8 @@ class GroupedCommon:
     def finish_tokens(self, out: Int64, shared_out: Int64, final: Int64, weights: Int64,
                       cta: Int32, tid: Int32):  # fmt: skip
         """``final`` = the routes' rows weighted by their routing weights (FP32,
-        top-k order) plus the shared expert's row, eight columns a thread."""
+        top-k order) plus the shared expert's row (when the model has one),
+        eight columns a thread."""
         per_token = self.hidden // 8
         for v in cutlass.range(cta * THREADS + tid, self.tokens * per_token, self.grid * THREADS,
                                unroll=1):  # fmt: skip
@@ -945,15 +958,19 @@ class GroupedCommon:
                     total[2 * c] = total[2 * c] + wk * ptx.bf16_low(got[c])
                     total[2 * c + 1] = total[2 * c + 1] + wk * ptx.bf16_high(got[c])
             row = (Int64(token) * self.hidden + column) * 2
-            shared = ptx.ld_global_cg_v4_u32(shared_out + row)
-            words = [
-                ptx.cvt_bf16x2(
-                    total[2 * c] + ptx.bf16_low(shared[c]),
-                    total[2 * c + 1] + ptx.bf16_high(shared[c]),
-                )
-                for c in range(4)
-            ]
-            ptx.st_global_v4_u32(final + row, *words)
+            if cutlass.const_expr(self.shared_experts):
+                shared = ptx.ld_global_cg_v4_u32(shared_out + row)
+                words = [
+                    ptx.cvt_bf16x2(
+                        total[2 * c] + ptx.bf16_low(shared[c]),
+                        total[2 * c + 1] + ptx.bf16_high(shared[c]),
+                    )
+                    for c in range(4)
+                ]
+                ptx.st_global_v4_u32(final + row, *words)
+            else:
+                words = [ptx.cvt_bf16x2(total[2 * c], total[2 * c + 1]) for c in range(4)]
+                ptx.st_global_v4_u32(final + row, *words)
 
 
 # -- build -----------------------------------------------------------------------------------
@@ -978,12 +995,14 @@ def compile_grouped(kernel: GroupedCommon, prefix: str, **notes) -> CompiledKern
     architecture's own compile notes."""
     spec, plan = kernel.spec, kernel.plan
     spaces = workspaces(plan)
-    args = fake_arguments(PARAMS, spec.hidden, spec.inter, spec.experts, spec.top_k, spec.tokens,
-                          len(TENSOR_MAPS), spec.logits_dtype,
+    params, maps = kernel.params, kernel.maps
+    args = fake_arguments(params, spec.hidden, spec.inter, spec.experts, spec.top_k, spec.tokens,
+                          len(maps), spec.logits_dtype,
                           workspace={w.name: w.bytes for w in spaces})  # fmt: skip
-    cubin, ptx_text, entry = compile_entry(kernel, args, prefix)
+    entry_point = kernel if kernel.shared_experts else kernel.routed_only
+    cubin, ptx_text, entry = compile_entry(entry_point, args, prefix)
     return CompiledKernel(
-        cubin=cubin, entry=entry, params=tuple(Param(name, "pointer") for name in PARAMS),
-        launch=kernel.launch_shape(), tensor_maps=TENSOR_MAPS, workspace=spaces, ptx=ptx_text,
+        cubin=cubin, entry=entry, params=tuple(Param(name, "pointer") for name in params),
+        launch=kernel.launch_shape(), tensor_maps=maps, workspace=spaces, ptx=ptx_text,
         notes=kernel.notes(**notes),
     )  # fmt: skip

@@ -114,11 +114,35 @@ class GroupedKernel(GroupedCommon):
         weights: cute.Tensor, plan_x: cute.Tensor, plan_s: cute.Tensor, hidden: cute.Tensor,
         hscale: cute.Tensor, partial: cute.Tensor, counters: cute.Tensor, stream,
     ):  # fmt: skip
-        self.kernel(
-            maps, w13_scale, w2_scale, s13_scale, s2_scale, s13, s2, x, logits, bias, rows,
-            out, shared_out, final, ids, weights, plan_x, plan_s, hidden, hscale, partial,
-            counters,
-        ).launch(
+        """Launch with the shared expert (``grouped_common.PARAMS``)."""
+        self.launch(
+            self.kernel(
+                maps, w13_scale, w2_scale, s13_scale, s2_scale, s13, s2, x, logits, bias, rows,
+                out, shared_out, final, ids, weights, plan_x, plan_s, hidden, hscale, partial,
+                counters,
+            ),
+            stream,
+        )  # fmt: skip
+
+    @cute.jit
+    def routed_only(
+        self, maps: cute.Tensor, w13_scale: cute.Tensor, w2_scale: cute.Tensor,
+        x: cute.Tensor, logits: cute.Tensor, bias: cute.Tensor, rows: cute.Tensor,
+        out: cute.Tensor, final: cute.Tensor, ids: cute.Tensor, weights: cute.Tensor,
+        plan_x: cute.Tensor, plan_s: cute.Tensor, hidden: cute.Tensor, hscale: cute.Tensor,
+        partial: cute.Tensor, counters: cute.Tensor, stream,
+    ):  # fmt: skip
+        """Launch without a shared expert (``grouped_common.ROUTED_PARAMS``)."""
+        self.launch(
+            self.kernel_routed(
+                maps, w13_scale, w2_scale, x, logits, bias, rows, out, final, ids, weights,
+                plan_x, plan_s, hidden, hscale, partial, counters,
+            ),
+            stream,
+        )  # fmt: skip
+
+    def launch(self, kernel, stream):
+        kernel.launch(
             grid=(self.grid, 1, 1),
             block=(THREADS, 1, 1),
             smem=self.layout.total,
@@ -135,6 +159,35 @@ class GroupedKernel(GroupedCommon):
         weights: cute.Tensor, plan_x: cute.Tensor, plan_s: cute.Tensor, hidden: cute.Tensor,
         hscale: cute.Tensor, partial: cute.Tensor, counters: cute.Tensor,
     ):  # fmt: skip
+        self.body(
+            maps, w13_scale, w2_scale, s13_scale.iterator.toint(), s2_scale.iterator.toint(),
+            s13.iterator.toint(), s2.iterator.toint(), x, logits, bias, rows, out,
+            shared_out.iterator.toint(), final, ids, weights, plan_x, plan_s, hidden, hscale,
+            partial, counters,
+        )  # fmt: skip
+
+    @cute.kernel
+    def kernel_routed(
+        self, maps: cute.Tensor, w13_scale: cute.Tensor, w2_scale: cute.Tensor,
+        x: cute.Tensor, logits: cute.Tensor, bias: cute.Tensor, rows: cute.Tensor,
+        out: cute.Tensor, final: cute.Tensor, ids: cute.Tensor, weights: cute.Tensor,
+        plan_x: cute.Tensor, plan_s: cute.Tensor, hidden: cute.Tensor, hscale: cute.Tensor,
+        partial: cute.Tensor, counters: cute.Tensor,
+    ):  # fmt: skip
+        none = Int64(0)  # no shared expert: never read
+        self.body(
+            maps, w13_scale, w2_scale, none, none, none, none, x, logits, bias, rows, out, none,
+            final, ids, weights, plan_x, plan_s, hidden, hscale, partial, counters,
+        )  # fmt: skip
+
+    @cute.jit
+    def body(
+        self, maps, w13_scale, w2_scale, s13_scale, s2_scale, s13, s2, x, logits, bias, rows,
+        out, shared_out, final, ids, weights, plan_x, plan_s, hidden, hscale, partial, counters,
+    ):  # fmt: skip
+        """The kernel: every parameter a ``cute.Tensor`` but the shared
+        expert's (``s13_scale``, ``s2_scale``, ``s13``, ``s2``, ``shared_out``),
+        addresses (``Int64``; 0 in a variant without it, never read)."""
         tid, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
@@ -146,21 +199,22 @@ class GroupedKernel(GroupedCommon):
         tmem_at = t.base + self.layout.off_tmem
         maps_at = maps.iterator.toint()
         w13s, w2s = w13_scale.iterator.toint(), w2_scale.iterator.toint()
-        s13s, s2s = s13_scale.iterator.toint(), s2_scale.iterator.toint()
+        s13s, s2s = s13_scale, s2_scale
 
         if tid == 0:
             # Empty stages are released by one UMMA commit each.
             self.init_barriers(t, 1)
-            for m in cutlass.range_constexpr(len(TENSOR_MAPS)):
+            for m in cutlass.range_constexpr(len(self.maps)):
                 ptx.tensormap_fence_acquire(maps_at + 128 * m)
-        if tid == 64:
-            # The shared expert's weights do not depend on the routing: pull this
-            # CTA's slice into L2 while the router runs.
-            self.prefetch_static(s13.iterator.toint(), s2.iterator.toint(), w13s, w2s, cta, 0)
+        if cutlass.const_expr(self.shared_experts):
+            if tid == 64:
+                # The shared expert's weights do not depend on the routing: pull
+                # this CTA's slice into L2 while the router runs.
+                self.prefetch_static(s13, s2, w13s, w2s, cta, 0)
         if tid == 96:
             # And the routed experts' block scales, which the B gatherers load
             # on their critical path.
-            self.prefetch_static(s13.iterator.toint(), s2.iterator.toint(), w13s, w2s, cta, 1)
+            self.prefetch_static(s13, s2, w13s, w2s, cta, 1)
         if warp == MMA_WARP:
             tc.tcgen05_alloc(tmem_at, TMEM_COLUMNS)
             tc.tcgen05_relinquish_alloc_permit()
@@ -195,12 +249,12 @@ class GroupedKernel(GroupedCommon):
         else:
             self.epilogue(
                 t, tmem, warp, lane, cta, tid - EPILOGUE * 32, rows.iterator.toint(),
-                out.iterator.toint(), shared_out.iterator.toint(), hidden.iterator.toint(),
+                out.iterator.toint(), shared_out, hidden.iterator.toint(),
                 hscale.iterator.toint(), partial.iterator.toint(), mine,
             )  # fmt: skip
         tc.release_tmem(tmem, TMEM_COLUMNS, warp, MMA_WARP)
         self.end_call(
-            counters.iterator.toint(), mine, out.iterator.toint(), shared_out.iterator.toint(),
+            counters.iterator.toint(), mine, out.iterator.toint(), shared_out,
             final.iterator.toint(), weights.iterator.toint(), cta, tid,
         )  # fmt: skip
 
@@ -303,9 +357,8 @@ class GroupedKernel(GroupedCommon):
             n = n + 1
 
 
-GroupedKernel.kernel.set_name_prefix(
-    ENTRY_PREFIX, remove_cutlass_symbol=True, keep_mangled_name=False
-)
+for _entry in (GroupedKernel.kernel, GroupedKernel.kernel_routed):
+    _entry.set_name_prefix(ENTRY_PREFIX, remove_cutlass_symbol=True, keep_mangled_name=False)
 
 
 def compile_kernel(spec: KernelSpec) -> CompiledKernel:

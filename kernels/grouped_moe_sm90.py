@@ -131,12 +131,37 @@ class GroupedMoeSm90(GroupedCommon):
                  plan_x: cute.Tensor, plan_s: cute.Tensor, hidden: cute.Tensor,
                  hscale: cute.Tensor, partial: cute.Tensor, counters: cute.Tensor,
                  stream):  # fmt: skip
+        """Launch with the shared expert (``grouped_common.PARAMS``)."""
         self.kernel.set_name_prefix(ENTRY, remove_cutlass_symbol=True, keep_mangled_name=False)
-        self.kernel(
-            maps, w13_scale, w2_scale, s13_scale, s2_scale, s13, s2, x, logits, bias, rows,
-            out, shared_out, final, ids, weights, plan_x, plan_s, hidden, hscale, partial,
-            counters,
-        ).launch(
+        self.launch(
+            self.kernel(
+                maps, w13_scale, w2_scale, s13_scale, s2_scale, s13, s2, x, logits, bias, rows,
+                out, shared_out, final, ids, weights, plan_x, plan_s, hidden, hscale, partial,
+                counters,
+            ),
+            stream,
+        )  # fmt: skip
+
+    @cute.jit
+    def routed_only(self, maps: cute.Tensor, w13_scale: cute.Tensor, w2_scale: cute.Tensor,
+                    x: cute.Tensor, logits: cute.Tensor, bias: cute.Tensor, rows: cute.Tensor,
+                    out: cute.Tensor, final: cute.Tensor, ids: cute.Tensor,
+                    weights: cute.Tensor, plan_x: cute.Tensor, plan_s: cute.Tensor,
+                    hidden: cute.Tensor, hscale: cute.Tensor, partial: cute.Tensor,
+                    counters: cute.Tensor, stream):  # fmt: skip
+        """Launch without a shared expert (``grouped_common.ROUTED_PARAMS``)."""
+        self.kernel_routed.set_name_prefix(ENTRY, remove_cutlass_symbol=True,
+                                           keep_mangled_name=False)  # fmt: skip
+        self.launch(
+            self.kernel_routed(
+                maps, w13_scale, w2_scale, x, logits, bias, rows, out, final, ids, weights,
+                plan_x, plan_s, hidden, hscale, partial, counters,
+            ),
+            stream,
+        )  # fmt: skip
+
+    def launch(self, kernel, stream):
+        kernel.launch(
             grid=(self.grid, 1, 1),
             block=(THREADS, 1, 1),
             smem=self.layout.total,
@@ -158,6 +183,33 @@ class GroupedMoeSm90(GroupedCommon):
                final: cute.Tensor, ids: cute.Tensor, weights: cute.Tensor,
                plan_x: cute.Tensor, plan_s: cute.Tensor, hidden: cute.Tensor,
                hscale: cute.Tensor, partial: cute.Tensor, counters: cute.Tensor):  # fmt: skip
+        self.body(
+            maps, w13_scale, w2_scale, s13_scale.iterator.toint(), s2_scale.iterator.toint(),
+            s13.iterator.toint(), s2.iterator.toint(), x, logits, bias, rows, out,
+            shared_out.iterator.toint(), final, ids, weights, plan_x, plan_s, hidden, hscale,
+            partial, counters,
+        )  # fmt: skip
+
+    @cute.kernel
+    def kernel_routed(self, maps: cute.Tensor, w13_scale: cute.Tensor, w2_scale: cute.Tensor,
+                      x: cute.Tensor, logits: cute.Tensor, bias: cute.Tensor,
+                      rows: cute.Tensor, out: cute.Tensor, final: cute.Tensor,
+                      ids: cute.Tensor, weights: cute.Tensor, plan_x: cute.Tensor,
+                      plan_s: cute.Tensor, hidden: cute.Tensor, hscale: cute.Tensor,
+                      partial: cute.Tensor, counters: cute.Tensor):  # fmt: skip
+        none = Int64(0)  # no shared expert: never read
+        self.body(
+            maps, w13_scale, w2_scale, none, none, none, none, x, logits, bias, rows, out, none,
+            final, ids, weights, plan_x, plan_s, hidden, hscale, partial, counters,
+        )  # fmt: skip
+
+    @cute.jit
+    def body(self, maps, w13_scale, w2_scale, s13_scale, s2_scale, s13, s2, x, logits, bias,
+             rows, out, shared_out, final, ids, weights, plan_x, plan_s, hidden, hscale,
+             partial, counters):  # fmt: skip
+        """The kernel: every parameter a ``cute.Tensor`` but the shared
+        expert's (``s13_scale``, ``s2_scale``, ``s13``, ``s2``, ``shared_out``),
+        addresses (``Int64``; 0 in a variant without it, never read)."""
         tid, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
@@ -172,16 +224,17 @@ class GroupedMoeSm90(GroupedCommon):
             self.init_barriers(t, EPILOGUE_THREADS)
             # No tensor-map proxy fence: the runtime never rewrites a maps
             # buffer (runtime/tensormap.py).
-            for m in cutlass.range_constexpr(len(TENSOR_MAPS)):
+            for m in cutlass.range_constexpr(len(self.maps)):
                 ptx.prefetch_tensormap(a_maps + 128 * m)
-        if tid == 64:
-            self.prefetch_static(
-                s13.iterator.toint(), s2.iterator.toint(), w13_scale.iterator.toint(),
-                w2_scale.iterator.toint(), cta, 0,
-            )  # fmt: skip
+        if cutlass.const_expr(self.shared_experts):
+            if tid == 64:
+                self.prefetch_static(
+                    s13, s2, w13_scale.iterator.toint(),
+                    w2_scale.iterator.toint(), cta, 0,
+                )  # fmt: skip
         if tid == 96:
             self.prefetch_static(
-                s13.iterator.toint(), s2.iterator.toint(), w13_scale.iterator.toint(),
+                s13, s2, w13_scale.iterator.toint(),
                 w2_scale.iterator.toint(), cta, 1,
             )  # fmt: skip
         cute.arch.sync_threads()
@@ -204,16 +257,16 @@ class GroupedMoeSm90(GroupedCommon):
                 t, plan_x.iterator.toint(), plan_s.iterator.toint(), hidden.iterator.toint(),
                 hscale.iterator.toint(), mine + self.counters.unit_ready * 4, lane,
                 w13_scale.iterator.toint(), w2_scale.iterator.toint(),
-                s13_scale.iterator.toint(), s2_scale.iterator.toint(), warp - 1,
+                s13_scale, s2_scale, warp - 1,
             )  # fmt: skip
         else:
             self.consume(
-                t, tid - MMA_WARP * 32, cta, out.iterator.toint(), shared_out.iterator.toint(),
+                t, tid - MMA_WARP * 32, cta, out.iterator.toint(), shared_out,
                 hidden.iterator.toint(), hscale.iterator.toint(), partial.iterator.toint(), mine,
             )  # fmt: skip
         cute.arch.sync_threads()
         self.end_call(
-            a_counters, mine, out.iterator.toint(), shared_out.iterator.toint(),
+            a_counters, mine, out.iterator.toint(), shared_out,
             final.iterator.toint(), weights.iterator.toint(), cta, tid,
         )  # fmt: skip
 

@@ -167,6 +167,9 @@ class GroupedPlan:
     top_k: int
     tokens: int
     grid: int
+    #: 1: the shared expert's units run first; 0: routed units only (the
+    #: capacities below stay sized for one, an upper bound).
+    shared_experts: int = 1
 
     def __post_init__(self):
         problems = plan_problems(self.hidden, self.inter, self.experts, self.top_k, self.tokens)
@@ -175,7 +178,8 @@ class GroupedPlan:
 
     @classmethod
     def from_spec(cls, spec) -> GroupedPlan:
-        return cls(spec.hidden, spec.inter, spec.experts, spec.top_k, spec.tokens, spec.sms)
+        return cls(spec.hidden, spec.inter, spec.experts, spec.top_k, spec.tokens, spec.sms,
+                   spec.shared_experts)  # fmt: skip
 
     nk1 = property(lambda self: self.hidden // TILE)  # GEMM1 K blocks
     nk2 = property(lambda self: self.inter // TILE)  # GEMM2 K blocks
@@ -185,7 +189,7 @@ class GroupedPlan:
     unit1 = property(lambda self: self.pairs * self.span)  # FC1 stages of a unit
     job = property(lambda self: self.nk2 // DEPTH)  # FC2 stages of a job
     routes = property(lambda self: self.tokens * self.top_k)
-    shared_units = property(lambda self: ceil_div(self.tokens, GROUP))
+    shared_units = property(lambda self: ceil_div(self.tokens, GROUP) * self.shared_experts)
     max_units = property(lambda self: unit_capacity(self.experts, self.top_k, self.tokens))
     chunk = property(lambda self: chunk_jobs(self.tokens))
     counters = property(lambda self: counters(self.experts, self.top_k, self.pairs))

@@ -373,8 +373,8 @@ KERNEL_SERVES = {
     ),
     "grouped": KernelServes(
         score=SCORES, bias=(True, False), group_limited=True, renormalize=(True, False),
-        needs_clamp=False, shared_experts=(1,),
-        shared_rule="the grouped kernel computes exactly one shared expert",
+        needs_clamp=False, shared_experts=(0, 1),
+        shared_rule="the grouped kernel runs 0 or 1 shared experts",
     ),
 }  # fmt: skip
 

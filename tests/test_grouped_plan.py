@@ -98,16 +98,20 @@ def random_routing(p, rng, skew):
     return ids
 
 
+@pytest.mark.parametrize("shared", [1, 0])
 @pytest.mark.parametrize("tokens,skew", [(8, 1), (16, 1), (32, 8), (48, 20), (64, 1), (64, 30)])
-def test_number_units(tokens, skew):
+def test_number_units(tokens, skew, shared):
     rng = random.Random(tokens * 1000 + skew)
-    p = plan(tokens=tokens)
+    p = plan(tokens=tokens, shared_experts=shared)
+    assert p.shared_units == shared * gp.ceil_div(tokens, gp.GROUP)
     ids = random_routing(p, rng, skew)
     u = gp.number_units(p, ids)
     assert len(u) <= p.max_units
     # The shared expert's units first, covering every token in order.
     shared = [t for i in range(p.shared_units) for t in u.tokens(i, p.top_k)]
-    assert shared == list(range(tokens)) and set(u.uexp[: p.shared_units]) == {-1}
+    assert shared == list(range(tokens)) * p.shared_experts
+    assert set(u.uexp[: p.shared_units]) == ({-1} if p.shared_experts else set())
+    assert -1 not in u.uexp[p.shared_units :]
     # Routed units: experts ascending, each full but its last, tokens ascending,
     # and every route in exactly one unit.
     seen = []

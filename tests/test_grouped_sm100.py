@@ -27,7 +27,11 @@ pytest.importorskip("cutlass")  # the kernel modules are device code
 from kernels import grouped_moe_sm100 as grouped  # noqa: E402
 from kernels import grouped_plan as gp  # noqa: E402
 from kernels import spec as kernel_spec  # noqa: E402
-from kernels.grouped_common import EPILOGUE_THREADS, THREADS  # noqa: E402
+from kernels.grouped_common import (  # noqa: E402
+    EPILOGUE_THREADS,
+    ROUTED_PARAMS,
+    THREADS,
+)
 from kernels.ptx import tcgen05 as tc  # noqa: E402
 from kernels.spec import PARAMETER_NAMES, KernelSpec  # noqa: E402
 
@@ -137,6 +141,15 @@ def test_params_and_maps_follow_the_contract():
     assert list(grouped.PARAMS) == signature
     called = list(inspect.signature(grouped.GroupedKernel.__call__).parameters)[1:]
     assert called == [*signature, "stream"]
+    # Without a shared expert: the same order, the shared expert's five dropped.
+    routed = list(inspect.signature(grouped.GroupedKernel.kernel_routed).parameters)[1:]
+    assert (
+        routed
+        == list(ROUTED_PARAMS)
+        == [p for p in signature if p not in ("s13_scale", "s2_scale", "s13", "s2", "shared_out")]
+    )
+    launch = list(inspect.signature(grouped.GroupedKernel.routed_only).parameters)[1:]
+    assert launch == [*routed, "stream"]
     assert set(grouped.PARAMS) <= set(PARAMETER_NAMES)
     workspaces = grouped.workspaces(plan(64))
     assert {w.name for w in workspaces} <= set(grouped.PARAMS)
@@ -206,3 +219,25 @@ def test_representative_glm5_grouped_buckets_build_for_sm100a(tmp_path):
         assert r["notes"] == kernel(r["tokens"]).notes(
             tmem_columns=grouped.TMEM_COLUMNS, idesc=f"{grouped.IDESC:#010x}"
         )
+
+
+@pytest.mark.compile
+def test_routed_only_softmax_variant_builds_for_sm100a(tmp_path):
+    """A model without a shared expert (the Qwen3 family: softmax, no bias,
+    no clamp) builds the routed-only entry: the shared expert's parameters
+    and maps dropped, the same UMMA site, no local memory."""
+    import dataclasses
+
+    s = dataclasses.replace(spec(32, "bfloat16", True), experts=128, shared_experts=0,
+                            score="softmax", bias=False, limit=None)  # fmt: skip
+    (r,) = compile_specs("sm_100a", [("routed", s)], tmp_path)
+    tool = cuobjdump()
+    ops, res = (
+        sass_counts(tool, tmp_path / "routed.cubin"),
+        resources(tool, tmp_path / "routed.cubin"),
+    )
+    assert r["params"] == [[name, "pointer"] for name in ROUTED_PARAMS]
+    assert r["maps"] == ["w13", "w2"]
+    assert count(ops, "UTCQMMA") == gp.DEPTH * 4, ops
+    assert "LDL" not in ops and "STL" not in ops and res["LOCAL"] == 0, (ops, res)
+    assert "min.NaN.f32" not in (tmp_path / "routed.ptx").read_text()

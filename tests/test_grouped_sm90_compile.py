@@ -46,7 +46,24 @@ SPECS = [
     spec(48, ue8m0=True),
     spec(64, "bfloat16"),
     spec(64, finalize=True),
+    # Routed experts only, softmax without bias (the Qwen3 family), and
+    # DeepSeek-V3's group-limited routing.
+    dataclasses.replace(
+        spec(32, "bfloat16", finalize=True),
+        experts=128,
+        shared_experts=0,
+        score="softmax",
+        bias=False,
+        limit=None,
+    ),  # fmt: skip
+    dataclasses.replace(spec(8), experts=256, groups=8, groups_kept=4, limit=None),
 ]
+ROUTED_PARAMS = tuple(p for p in GRID_PARAMS
+                      if p not in ("s13_scale", "s2_scale", "s13", "s2", "shared_out"))  # fmt: skip
+
+
+def params_of(s: KernelSpec) -> tuple[str, ...]:
+    return GRID_PARAMS if s.shared_experts else ROUTED_PARAMS
 
 
 @pytest.mark.parametrize("tokens", [8, 16, 32, 48, 64])
@@ -125,13 +142,13 @@ def test_launch_records_follow_the_plan(built):
     for i, (s, r) in enumerate(zip(SPECS, records, strict=True)):
         layout = grouped.GroupedMoeSm90(s).layout
         assert r["entry"] == "moe_grouped_sm90_0"
-        assert [p for p, _ in r["params"]] == list(GRID_PARAMS)
+        assert [p for p, _ in r["params"]] == list(params_of(s))
         assert all(kind == "pointer" and p in PARAMETER_NAMES for p, kind in r["params"])
         assert r["grid"] == [SMS, 1, 1] and r["block"] == [THREADS, 1, 1]
         assert r["cluster"] is None and r["pdl"] is True
         assert r["smem"] == layout.total and r["notes"]["stages"] == layout.stages >= 4
         assert r["notes"] == grouped.GroupedMoeSm90(s).notes()
-        assert r["maps"] == list(grouped.TENSOR_MAPS)
+        assert r["maps"] == (["w13", "w2", "s13", "s2"] if s.shared_experts else ["w13", "w2"])
         want = gp.workspaces(s.hidden, s.inter, s.experts, s.top_k, SMS)
         assert r["workspace"] == [[w.name, w.bytes, w.zero] for w in want]
         # Every parameter is one 8-byte pointer in the PTX entry.
@@ -139,7 +156,7 @@ def test_launch_records_follow_the_plan(built):
         entry = ptx[ptx.index(".entry moe_grouped_sm90_0(") :]
         entry = entry[: entry.index(")")]
         params = re.findall(r"\.param ([^\n]*?)moe_grouped_sm90_0_param_\d+(\[\d+\])?", entry)
-        assert len(params) == len(GRID_PARAMS)
+        assert len(params) == len(params_of(s))
         assert all(size == "[8]" or ".u64" in decl for decl, size in params), params
 
 
@@ -196,5 +213,5 @@ def test_call_counter_wraps_at_twice_the_grid(built, other_grids):
         assert r["grid"] == [s.sms, 1, 1]
         param, offset, limit = call_counter_count(ptx)
         assert limit == 2 * s.sms - 1, (s.sms, limit)
-        assert param == GRID_PARAMS.index("counters")
+        assert param == params_of(s).index("counters")
         assert offset == 4 * plan.counters.calls
