@@ -18,10 +18,10 @@ an architecture's epilogue describes its accumulator fragment with a
 ``close_pair`` / ``store_rows``.
 
 Shared memory (``grouped_plan.SmemLayout``, from the 1024-aligned dynamic
-base, in address order): ``w`` the weight stages (stages x DEPTH 128 x 128
-FP8 boxes, 128-byte swizzle), ``b`` the B tiles (stages x DEPTH x GROUP
+base, in address order): ``w`` the weight stages (stages x depth 128 x 128
+FP8 boxes, 128-byte swizzle), ``b`` the B tiles (stages x depth x GROUP
 token rows of 128 K bytes, ``b_chunk``), ``ring`` the column scales
-(``ring_index``: ring stages x DEPTH x GROUP FP32), ``hs`` each gatherer's
+(``ring_index``: ring stages x depth x GROUP FP32), ``hs`` each gatherer's
 hidden scales [GROUP, I/128], ``amax`` four warps' per-token amax, then the
 unit tables ``picks`` (ids), ``mask`` (two words per expert, ``mask_slot``),
 ``eoff``, ``uexp``, ``uoff``, ``ucnt``, ``flat``, the scalars ``scal`` (call
@@ -102,7 +102,6 @@ from kernels.abi import (
 )
 from kernels.build_common import compile_entry
 from kernels.grouped_plan import (
-    DEPTH,
     END,
     GROUP,
     S_J2A,
@@ -205,7 +204,9 @@ class Tables:
     flat = property(lambda t: t._view(t.layout.off_flat, Int32, t.plan.routes + t.plan.tokens))
     scal = property(lambda t: t._view(t.layout.off_scal, Int32, SCALARS))
     desc = property(lambda t: t._view(t.layout.off_desc, Uint32, t.layout.posts))
-    ring = property(lambda t: t._view(t.layout.off_ring, Float32, t.layout.ring * DEPTH * GROUP))
+    ring = property(
+        lambda t: t._view(t.layout.off_ring, Float32, t.layout.ring * t.layout.depth * GROUP)
+    )
     amax = property(lambda t: t._view(t.layout.off_amax, Float32, 4 * GROUP))
     weights = property(lambda t: t.base + t.layout.off_w)  # stage s at + s * a_bytes
     tokens = property(lambda t: t.base + t.layout.off_b)  # stage s at + s * b_bytes
@@ -323,6 +324,7 @@ class GroupedCommon:
         self.maps = TENSOR_MAPS if self.shared_experts else ROUTED_MAPS
         self.nk1, self.nk2, self.pairs, self.tiles2 = plan.nk1, plan.nk2, plan.pairs, plan.tiles2
         self.span, self.unit1, self.job = plan.span, plan.unit1, plan.job
+        self.depth = plan.depth  # K blocks (weight boxes) of one stage
         self.routes, self.shared_units = plan.routes, plan.shared_units
         self.max_units, self.chunk = plan.max_units, plan.chunk
         self.counters = plan.counters
@@ -635,7 +637,7 @@ class GroupedCommon:
             # plan, hidden blocks, partials and outputs there
             # (docs/notes/grouped-sm90.md).
             policy = ptx.create_policy_evict_first()
-            for d in cutlass.range_constexpr(DEPTH):
+            for d in cutlass.range_constexpr(self.depth):
                 ptx.tma_load_3d_hint(
                     t.weights + slot * self.layout.a_bytes + d * STAGE_BYTES, tmap,
                     t.full(slot), Int32(0), tile * TILE, chunk + d, policy,
@@ -708,9 +710,9 @@ class GroupedCommon:
             word = Uint32(desc[n % self.posts])
             if word != Uint32(END):
                 fc2, _, unit, _, kb, _, _ = unpack(word)
-                # Lane d < DEPTH: the weight block scale of K block kb + d.
+                # Lane d < depth: the weight block scale of K block kb + d.
                 ws = Float32(0.0)
-                if lane < DEPTH:
+                if lane < self.depth:
                     ws = self.weight_scale(t, word, lane, w13_scale, w2_scale, s13_scale,
                                            s2_scale)  # fmt: skip
                 key = unit
@@ -749,12 +751,12 @@ class GroupedCommon:
                         token_scales = plan_s + Int64(token) * (self.nk1 * 4)
                     current = key
                 # The tokens' activation scales (FC1), in flight with ``ws``.
-                xs = cute.make_rmem_tensor(cute.make_layout((DEPTH,)), Float32)
-                for d in cutlass.range_constexpr(DEPTH):
+                xs = cute.make_rmem_tensor(cute.make_layout((self.depth,)), Float32)
+                for d in cutlass.range_constexpr(self.depth):
                     xs[d] = Float32(0.0)
                 if not fc2:
                     if lane < count:
-                        for d in cutlass.range_constexpr(DEPTH):
+                        for d in cutlass.range_constexpr(self.depth):
                             xs[d] = ptx.ld_global_cg_f32(token_scales + (kb + d) * 4)
                 dst = t.tokens + slot * self.layout.b_bytes
                 for k in cutlass.range_constexpr(chunks):
@@ -762,11 +764,11 @@ class GroupedCommon:
                         i = lane + 32 * k
                         j = i // 8
                         c = i % 8
-                        for d in cutlass.range_constexpr(DEPTH):
+                        for d in cutlass.range_constexpr(self.depth):
                             ptx.cp_async_cg_16(
                                 dst + gp.b_chunk(d, j, c), rows[k] + (kb + d) * TILE + c * 16
                             )
-                for d in cutlass.range_constexpr(DEPTH):
+                for d in cutlass.range_constexpr(self.depth):
                     w_d = cute.arch.shuffle_sync(ws, d)
                     if lane < count:
                         scale = xs[d]

@@ -20,15 +20,15 @@ Warp roles (256 threads):
 
 Rings: full[stages] (``grouped_common.FULL_ARRIVALS`` arrivals and the
 weights' transaction bytes), posted[posts] (1), empty[stages] with 1 arrival
-(the UMMA commit of the stage), and ``SLOTS`` accumulator slots of
-``COLUMNS`` TMEM columns: acc_full[slots] with 1 arrival (the UMMA commit of
+(the UMMA commit of the stage), and ``slots_of(plan)`` accumulator slots of
+``columns_of(plan)`` TMEM columns: acc_full[slots] with 1 arrival (the UMMA commit of
 the slot; on END, lane 0 of warp 1) and acc_empty[slots] with 4 (lane 0 of
 each epilogue warp, once its warp's TMEM loads are fenced).
 
 The MMA warp, stage n: waits full[n % stages] (parity (n // stages) % 2),
 reads the stage word, and for n >= slots waits acc_empty[n % slots] (parity
 (n // slots - 1) % 2); then ``fence.proxy.async`` (the B rows are cp.async
-writes), one elected lane issues the DEPTH K blocks, each a K = 128 FP8 UMMA
+writes), one elected lane issues the stage's ``depth`` K blocks, each a K = 128 FP8 UMMA
 (M = 128 weight rows, N = GROUP tokens) into columns ``d * GROUP`` of the
 slot, and commits the weight stage to empty[n % stages] and the slot to
 acc_full[n % slots]. So the MMA runs up to ``slots`` stages ahead of the
@@ -78,10 +78,19 @@ EPILOGUE = 4  # first epilogue warp (4..7; warp % 4 = its TMEM lane quadrant)
 MMA_WARP = 1
 #: All 512 TMEM columns: one CTA per SM, so no other CTA waits for them.
 TMEM_COLUMNS = 512
-COLUMNS = gp.DEPTH * gp.GROUP  # TMEM columns of one stage's accumulators
-#: Accumulator slots between the MMA warp and the epilogue (at most 32; with
-#: 512 TMEM columns of COLUMNS each, 16 here).
-SLOTS = min(32, TMEM_COLUMNS // COLUMNS)
+
+
+def columns_of(plan: gp.GroupedPlan) -> int:
+    """TMEM columns of one stage's accumulators (GROUP per K block)."""
+    return plan.depth * gp.GROUP
+
+
+def slots_of(plan: gp.GroupedPlan) -> int:
+    """Accumulator slots between the MMA warp and the epilogue: as many as
+    the TMEM columns hold, at most 32 (16 at two K blocks a stage)."""
+    return min(32, TMEM_COLUMNS // columns_of(plan))
+
+
 #: UMMA instruction descriptor: E4M3 x E4M3 -> F32, M = 128 weight rows, N =
 #: GROUP tokens.
 IDESC = tc.instruction_desc_e4m3(TILE, gp.GROUP)
@@ -89,7 +98,7 @@ IDESC = tc.instruction_desc_e4m3(TILE, gp.GROUP)
 
 def layout_of(plan: gp.GroupedPlan) -> gp.SmemLayout:
     """The deepest shared-memory layout that fits sm_100a's limit."""
-    return gp.fit_layout(plan, ARCH, GATHERERS, SLOTS)
+    return gp.fit_layout(plan, ARCH, GATHERERS, slots_of(plan))
 
 
 class GroupedKernel(GroupedCommon):
@@ -103,6 +112,7 @@ class GroupedKernel(GroupedCommon):
     def __init__(self, spec: KernelSpec):
         plan = gp.GroupedPlan.from_spec(spec)
         super().__init__(spec, layout_of(plan))
+        self.columns = columns_of(plan)
         self.slots = self.layout.slots
 
     @cute.jit
@@ -260,7 +270,7 @@ class GroupedKernel(GroupedCommon):
 
     @cute.jit
     def issue(self, t: Tables, tmem: Int32, lane: Int32):
-        """Warp 1: stage n's DEPTH K blocks into accumulator slot n % slots
+        """Warp 1: stage n's ``depth`` K blocks into accumulator slot n % slots
         (K block d in columns ``d * GROUP`` of the slot, each overwritten by
         its first UMMA), the weight stage committed to its empty barrier and
         the slot to ``acc_full``; END is passed on to the epilogue."""
@@ -283,12 +293,12 @@ class GroupedKernel(GroupedCommon):
             else:
                 # The gathered B rows are generic-proxy writes.
                 ptx.fence_proxy_async_shared()
-                for d in cutlass.range_constexpr(gp.DEPTH):
+                for d in cutlass.range_constexpr(self.depth):
                     a_off = slot * lay.a_bytes + d * gp.STAGE_BYTES
                     b_off = slot * lay.b_bytes + d * w * TILE
                     with cute.arch.elect_one():
                         tc.umma_k128(
-                            tmem + acc * COLUMNS + d * w, adesc + Int64(a_off >> 4),
+                            tmem + acc * self.columns + d * w, adesc + Int64(a_off >> 4),
                             bdesc + Int64(b_off >> 4), Int32(IDESC), Int32(0),
                         )  # fmt: skip
                 tc.commit_elected(t.empty(slot))
@@ -335,12 +345,12 @@ class GroupedKernel(GroupedCommon):
                     for j in cutlass.range_constexpr(w):
                         up[j] = Float32(0.0)
                         gate[j] = Float32(0.0)
-                parts = tc.load_tmem(lanes + acc * COLUMNS, COLUMNS)
+                parts = tc.load_tmem(lanes + acc * self.columns, self.columns)
                 if into_gate:
-                    for c in cutlass.range_constexpr(COLUMNS):
+                    for c in cutlass.range_constexpr(self.columns):
                         gate[c % w] = gate[c % w] + parts[c] * self.ring_scale(t, n, c // w, c % w)
                 else:
-                    for c in cutlass.range_constexpr(COLUMNS):
+                    for c in cutlass.range_constexpr(self.columns):
                         up[c % w] = up[c % w] + parts[c] * self.ring_scale(t, n, c // w, c % w)
                 tc.tcgen05_fence_before_thread_sync()
                 cute.arch.sync_warp()

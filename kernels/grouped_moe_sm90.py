@@ -9,7 +9,7 @@ architectures; this module is Hopper's MMA and its epilogue.
 Warp roles (256 threads):
 
 * warp 0: routes token ``cta`` (start of the call), then lane 0 is the
-  weight producer (``produce``: TMA of each stage's DEPTH weight boxes,
+  weight producer (``produce``: TMA of each stage's ``depth`` weight boxes,
   the FC2 job claims);
 * warps 1-3: the B-tile gatherers (``gather``: stages g, g + 3, ...; cp.async
   of quantized tokens / hidden rows, column scales into the scale ring);
@@ -71,7 +71,7 @@ from kernels.grouped_common import (
 from kernels.grouped_common import PARAMS as PARAMS
 from kernels.grouped_common import TENSOR_MAPS as TENSOR_MAPS
 from kernels.grouped_common import workspaces as workspaces
-from kernels.grouped_plan import DEPTH, END, GROUP, STAGE_BYTES, GroupedPlan
+from kernels.grouped_plan import END, GROUP, STAGE_BYTES, GroupedPlan
 from kernels.ptx import wgmma
 from kernels.spec import CompiledKernel, KernelSpec
 from runtime.constants import TILE
@@ -280,11 +280,11 @@ class GroupedMoeSm90(GroupedCommon):
         up = cute.make_rmem_tensor(cute.make_layout((v,)), Float32)
         gate = cute.make_rmem_tensor(cute.make_layout((v,)), Float32)
         # parts[d * v + i]: K block d's unscaled partial of register i.
-        parts = cute.make_rmem_tensor(cute.make_layout((DEPTH * v,)), Float32)
+        parts = cute.make_rmem_tensor(cute.make_layout((self.depth * v,)), Float32)
         for i in cutlass.range_constexpr(v):
             up[i] = Float32(0.0)
             gate[i] = Float32(0.0)
-        for i in cutlass.range_constexpr(DEPTH * v):
+        for i in cutlass.range_constexpr(self.depth * v):
             parts[i] = Float32(0.0)
         a_desc = wgmma.smem_desc_sw128(t.weights)
         b_desc = wgmma.smem_desc_sw128(t.tokens)
@@ -299,8 +299,10 @@ class GroupedMoeSm90(GroupedCommon):
                 # The gathered B rows are generic-proxy (cp.async) writes.
                 ptx.fence_proxy_async_shared()
                 self.mma_stage(parts, a_desc, b_desc, slot)
-                scales = cute.make_rmem_tensor(cute.make_layout((DEPTH * frag.slots,)), Float32)
-                for d in cutlass.range_constexpr(DEPTH):
+                scales = cute.make_rmem_tensor(
+                    cute.make_layout((self.depth * frag.slots,)), Float32
+                )
+                for d in cutlass.range_constexpr(self.depth):
                     for s in cutlass.range_constexpr(frag.slots):
                         scales[d * frag.slots + s] = self.ring_scale(t, n, d, frag.token(s))
                 # The stage (weights, B tile, word, scales) is read: each
@@ -339,7 +341,7 @@ class GroupedMoeSm90(GroupedCommon):
         a_stage = a_desc + Int64((slot * self.layout.a_bytes) >> 4)
         b_stage = b_desc + Int64((slot * self.layout.b_bytes) >> 4)
         wgmma.wgmma_fence()
-        for d in cutlass.range_constexpr(DEPTH):
+        for d in cutlass.range_constexpr(self.depth):
             for h in cutlass.range_constexpr(HALVES):
                 acc = [parts[d * v + h * ACC + i] for i in range(ACC)]
                 a = a_stage + (d * STAGE_BYTES + h * 64 * TILE) // 16
@@ -352,8 +354,8 @@ class GroupedMoeSm90(GroupedCommon):
                     parts[d * v + h * ACC + i] = acc[i]
         wgmma.wgmma_commit()
         wgmma.wgmma_wait(0)
-        done = wgmma.fence_operands([parts[i] for i in range(DEPTH * v)])
-        for i in cutlass.range_constexpr(DEPTH * v):
+        done = wgmma.fence_operands([parts[i] for i in range(self.depth * v)])
+        for i in cutlass.range_constexpr(self.depth * v):
             parts[i] = done[i]
 
     def add_scaled(self, frag: Fragment, into, parts, scales):
@@ -363,7 +365,7 @@ class GroupedMoeSm90(GroupedCommon):
             for r in range(frag.rows):
                 i = frag.index(s, r)
                 total = into[i]
-                for d in range(DEPTH):
+                for d in range(self.depth):
                     total = total + parts[d * v + i] * scales[d * frag.slots + s]
                 into[i] = total
 

@@ -4,7 +4,8 @@ The grouped kernel (one persistent CTA per SM) cuts one call's work into
 *units*: up to ``GROUP`` tokens of one expert, the shared expert's units first
 (tokens 0..15, 16..31, ...), then every routed expert in expert order, its
 routes in token order, one unit per started ``GROUP`` of routes. Weights move
-in *stages* of ``DEPTH`` K blocks (128 x 128 FP8 boxes) of one row tile:
+in *stages* of ``depth`` K blocks (128 x 128 FP8 boxes) of one row tile
+(``DEPTH``, or 1 for a shape with an odd number of K blocks: ``stage_depth``):
 
 * FC1: a unit has ``pairs`` = I/128 pairs (an up and a gate row tile); a
   pair is ``span`` stages (up kb, gate kb, up kb+2, gate kb+2, ...). All
@@ -44,7 +45,7 @@ from runtime.constants import MAX_TOKENS, SMEM_LIMIT, TILE
 from runtime.constants import SMEM_OPTIN as SMEM_OPTIN  # re-exported for its readers
 
 GROUP = 16  # tokens of a unit: the MMA N side
-DEPTH = 2  # K blocks of a weight stage
+DEPTH = 2  # K blocks of a weight stage (when both K extents divide by it)
 SPLIT_UNITS = 40  # above this many units, halves A and B
 STAGE_BYTES = TILE * TILE  # one FP8 128 x 128 box
 #: How long a CTA waits on other CTAs' counters before it traps (ns of
@@ -62,10 +63,24 @@ SHIFT_TILE, SHIFT_KB = 10, 16
 BIT_FC2, BIT_HALF, BIT_OPENS, BIT_CLOSES = 22, 23, 24, 25
 END = 0xFFFFFFFF
 
-#: Stage counts tried, deepest first (measured on the H200: 4 to 12 stages of
-#: 16 KiB reach the copy bandwidth on long streams, docs/notes/h200-measurements.md;
-#: a stage here is 32 KiB).
+#: Stage counts tried, deepest first, for stages of DEPTH boxes (measured on
+#: the H200: 4 to 12 stages of 16 KiB reach the copy bandwidth on long
+#: streams, docs/notes/h200-measurements.md; a stage here is 32 KiB). Stages
+#: of fewer boxes take proportionally more (``stage_bounds``).
 MAX_STAGES, MIN_STAGES = 12, 4
+
+
+def stage_depth(hidden: int, inter: int) -> int:
+    """K blocks of one weight stage: DEPTH when both GEMMs' K block counts
+    (hidden/128, inter/128) divide by it, else 1 (a job or pair of an odd
+    number of K blocks cannot be cut into DEPTH-block stages)."""
+    return DEPTH if (hidden // TILE) % DEPTH == 0 and (inter // TILE) % DEPTH == 0 else 1
+
+
+def stage_bounds(depth: int) -> tuple[int, int]:
+    """(most, fewest) ring stages of ``depth`` boxes tried: the same bytes in
+    flight as MAX_STAGES / MIN_STAGES stages of DEPTH boxes."""
+    return MAX_STAGES * DEPTH // depth, MIN_STAGES * DEPTH // depth
 
 
 def unit_capacity(experts: int, top_k: int, tokens: int = MAX_TOKENS, group: int = GROUP) -> int:
@@ -181,13 +196,14 @@ class GroupedPlan:
         return cls(spec.hidden, spec.inter, spec.experts, spec.top_k, spec.tokens, spec.sms,
                    spec.shared_experts)  # fmt: skip
 
+    depth = property(lambda self: stage_depth(self.hidden, self.inter))  # K blocks a stage
     nk1 = property(lambda self: self.hidden // TILE)  # GEMM1 K blocks
     nk2 = property(lambda self: self.inter // TILE)  # GEMM2 K blocks
     pairs = property(lambda self: self.inter // TILE)  # (up, gate) row-tile pairs
     tiles2 = property(lambda self: self.hidden // TILE)  # GEMM2 row tiles (FC2 jobs/unit)
-    span = property(lambda self: 2 * self.nk1 // DEPTH)  # FC1 stages of a pair
+    span = property(lambda self: 2 * self.nk1 // self.depth)  # FC1 stages of a pair
     unit1 = property(lambda self: self.pairs * self.span)  # FC1 stages of a unit
-    job = property(lambda self: self.nk2 // DEPTH)  # FC2 stages of a job
+    job = property(lambda self: self.nk2 // self.depth)  # FC2 stages of a job
     routes = property(lambda self: self.tokens * self.top_k)
     shared_units = property(lambda self: ceil_div(self.tokens, GROUP) * self.shared_experts)
     max_units = property(lambda self: unit_capacity(self.experts, self.top_k, self.tokens))
@@ -198,10 +214,11 @@ class GroupedPlan:
 def plan_problems(hidden: int, inter: int, experts: int, top_k: int, tokens: int) -> list[str]:
     """Why the grouped plan cannot serve this shape (empty: it can)."""
     reasons = []
-    if hidden % (TILE * DEPTH) or inter % (TILE * DEPTH):
-        reasons.append(f"hidden {hidden} and inter {inter} must be multiples of {TILE * DEPTH}")
-    if hidden // TILE >= 1 << KB_BITS or hidden // TILE >= 1 << TILE_BITS:
-        reasons.append(f"hidden {hidden}: at most {(1 << KB_BITS) - 1} blocks of 128")
+    if hidden % TILE or inter % TILE or hidden < TILE or inter < TILE:
+        reasons.append(f"hidden {hidden} and inter {inter} must be positive multiples of {TILE}")
+    if hidden // TILE > 1 << KB_BITS or hidden // TILE > 1 << TILE_BITS:
+        reasons.append(f"hidden {hidden}: at most {1 << KB_BITS} blocks of 128 (stage words "
+                       f"hold K block and row tile indices in {KB_BITS} bits)")  # fmt: skip
     if 2 * inter // TILE >= 1 << TILE_BITS:
         reasons.append(f"inter {inter}: at most {(1 << TILE_BITS) // 2 - 1} blocks of 128")
     if experts % 32:
@@ -246,7 +263,7 @@ class SmemLayout:
 
     ``slots``: accumulator slots between MMA issue and epilogue (TMEM on
     sm_100a; 0 on sm_90a, where the MMA warpgroup is the epilogue). Rings:
-    ``ring`` stages of column scales (DEPTH * GROUP floats each), ``posts``
+    ``ring`` stages of column scales (``depth`` * GROUP floats each), ``posts``
     stage words; barriers: full[stages], empty[stages], acc_full[slots],
     acc_empty[slots], posted[posts]. ``placed``: the regions as the shared
     builder (``kernels.smem.Regions``) placed them."""
@@ -254,6 +271,7 @@ class SmemLayout:
     stages: int
     slots: int
     gatherers: int
+    depth: int  # K blocks (boxes) of one stage: the plan's
     ring: int
     posts: int
     bars: int
@@ -300,9 +318,9 @@ SCALARS = 16
 
 def smem_layout(plan: GroupedPlan, stages: int, gatherers: int, slots: int = 0) -> SmemLayout:
     """The shared-memory layout at ``stages`` weight stages."""
-    w = GROUP
-    a_bytes = DEPTH * STAGE_BYTES
-    b_bytes = DEPTH * w * TILE
+    w, depth = GROUP, plan.depth
+    a_bytes = depth * STAGE_BYTES
+    b_bytes = depth * w * TILE
     # The scale ring and stage words are read up to ``stages + slots`` stages
     # after they are written (sm_100a's epilogue reads a stage's scales up to
     # ``slots`` stages after its weights were freed); two more as margin.
@@ -312,7 +330,7 @@ def smem_layout(plan: GroupedPlan, stages: int, gatherers: int, slots: int = 0) 
     r = Regions()
     r.take("w", stages * a_bytes, 1024)
     r.take("b", stages * b_bytes, 1024)
-    r.take("ring", ring * DEPTH * w * 4)
+    r.take("ring", ring * depth * w * 4)
     r.take("hs", gatherers * w * plan.nk2 * 4)
     r.take("amax", 4 * w * 4)
     r.take("picks", plan.routes * 4)
@@ -327,34 +345,37 @@ def smem_layout(plan: GroupedPlan, stages: int, gatherers: int, slots: int = 0) 
     r.take("bar", bars * 8, 8)
     r.take("tmem", 16)
     return SmemLayout(
-        stages=stages, slots=slots, gatherers=gatherers, ring=ring, posts=posts, bars=bars,
+        stages=stages, slots=slots, gatherers=gatherers, depth=depth, ring=ring, posts=posts,
+        bars=bars,
         a_bytes=a_bytes, b_bytes=b_bytes, total=ceil_div(r.end, 1024) * 1024, placed=r,
         **{"off_" + k: v for k, v in r.offsets.items()},
     )  # fmt: skip
 
 
 def fit_layout(plan: GroupedPlan, arch: str, gatherers: int, slots: int = 0) -> SmemLayout:
-    """The deepest layout (MAX_STAGES down to MIN_STAGES stages) that fits
-    ``arch``'s shared-memory limit (``SMEM_LIMIT``, from ``runtime.constants``)."""
+    """The deepest layout (``stage_bounds(plan.depth)``: most down to fewest
+    stages) that fits ``arch``'s shared-memory limit (``SMEM_LIMIT``, from
+    ``runtime.constants``)."""
     limit = SMEM_LIMIT[arch]
-    for stages in range(MAX_STAGES, MIN_STAGES - 1, -1):
+    most, fewest = stage_bounds(plan.depth)
+    for stages in range(most, fewest - 1, -1):
         layout = smem_layout(plan, stages, gatherers, slots)
         if layout.total <= limit:
             return layout
-    need = smem_layout(plan, MIN_STAGES, gatherers, slots).total
-    raise ValueError(f"{MIN_STAGES} stages need {need} B of shared memory; {arch} allows {limit}")
+    need = smem_layout(plan, fewest, gatherers, slots).total
+    raise ValueError(f"{fewest} stages need {need} B of shared memory; {arch} allows {limit}")
 
 
 def ring_index(layout: SmemLayout, n, d: int, token):
     """Float index in the scale ring of the column scale of K block ``d``,
     token ``token`` of stage ``n`` (the gatherers write it, the MMA consumer
     or epilogue reads it)."""
-    return (n % layout.ring) * (DEPTH * GROUP) + d * GROUP + token
+    return (n % layout.ring) * (layout.depth * GROUP) + d * GROUP + token
 
 
 def b_chunk(d: int, row, chunk):
     """Byte offset, within a stage's B tile, of 16-byte chunk ``chunk`` of
-    token row ``row`` of K block ``d`` (DEPTH tiles of GROUP rows x 128 K
+    token row ``row`` of K block ``d`` (``depth`` tiles of GROUP rows x 128 K
     bytes; 128-byte swizzle: chunk c of row r is stored at c ^ (r % 8))."""
     return (d * GROUP + row) * TILE + (chunk ^ (row % 8)) * 16
 
@@ -461,7 +482,7 @@ def owner(plan: GroupedPlan, s, size):
 
 def locate(plan: GroupedPlan, r: Ranges, n, select=pick, branch=choose):
     """(half, unit, row tile, K block, stage index in its half) of a CTA's
-    n-th FC1 stage: stage q of a unit holds K blocks DEPTH * ((q % span) // 2)
+    n-th FC1 stage: stage q of a unit holds K blocks depth * ((q % span) // 2)
     on of pair q // span, its up tile (even q) or gate tile (odd q). Half B's
     range is read only for a stage in half B."""
     in_b = n >= r.n1a
@@ -476,7 +497,7 @@ def locate(plan: GroupedPlan, r: Ranges, n, select=pick, branch=choose):
     half = select(in_b, 1, 0)
     q = s % plan.unit1
     tile = q // plan.span + plan.pairs * (q % 2)
-    kb = DEPTH * ((q % plan.span) // 2)
+    kb = plan.depth * ((q % plan.span) // 2)
     return half, unit, tile, kb, s
 
 
@@ -517,8 +538,8 @@ def describe(plan: GroupedPlan, r: Ranges, n, select=pick, branch=choose, word=_
 
 def fc2_word(plan: GroupedPlan, unit, tile, k: int, word=_word):
     """The word of stage ``k`` (fixed at compile time) of FC2 job (unit,
-    output row tile): K blocks DEPTH * k on; the first opens, the last closes."""
-    return pack(True, 0, unit, tile, DEPTH * k, k == 0, k == plan.job - 1, word)
+    output row tile): K blocks depth * k on; the first opens, the last closes."""
+    return pack(True, 0, unit, tile, plan.depth * k, k == 0, k == plan.job - 1, word)
 
 
 def fc2_words(plan: GroupedPlan, unit: int, tile: int) -> list[int]:
@@ -568,7 +589,7 @@ def weight_box(plan: GroupedPlan, fc2, expert, tile, kb, select=pick):
     """(tensor map, row tile, K-block coordinate) of a stage's weights, for
     the unit's expert ``expert`` (-1: the shared expert): maps w13, w2, s13,
     s2 are 0..3, viewed as (128 bytes, rows, experts * K blocks); the
-    stage's DEPTH boxes are at coordinates chunk .. chunk + DEPTH - 1."""
+    stage's ``depth`` boxes are at coordinates chunk .. chunk + depth - 1."""
     shared = expert < 0
     safe = select(shared, 0, expert)
     index = select(shared, 2, 0)

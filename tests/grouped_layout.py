@@ -24,11 +24,11 @@ def needed_bytes(layout: gp.SmemLayout, plan: gp.GroupedPlan) -> dict[str, int]:
     """Region -> the bytes its users touch."""
     w, f32 = gp.GROUP, 4
     return {
-        # A stage: DEPTH 128 x 128 FP8 weight boxes, and DEPTH token tiles of
+        # A stage: depth 128 x 128 FP8 weight boxes, and depth token tiles of
         # GROUP rows x 128 K bytes.
         "w": layout.stages * layout.a_bytes,
         "b": layout.stages * layout.b_bytes,
-        "ring": layout.ring * gp.DEPTH * w * f32,  # column scales of a stage
+        "ring": layout.ring * plan.depth * w * f32,  # column scales of a stage
         "hs": layout.gatherers * w * plan.nk2 * f32,  # each gatherer's [GROUP, nk2]
         "amax": 4 * w * f32,  # four warps' per-token amax
         "picks": plan.routes * 4,
@@ -53,10 +53,12 @@ def layout_problems(layout: gp.SmemLayout, plan: gp.GroupedPlan, limit: int) -> 
     names = [name for name, _, _ in regions]
     if sorted(names) != sorted(need):
         problems.append(f"regions {names}, expected {sorted(need)}")
-    if layout.a_bytes < gp.DEPTH * TILE * TILE or layout.a_bytes % BASE_ALIGN:
-        problems.append(f"a weight stage of {layout.a_bytes} B (DEPTH boxes, 1024-aligned)")
-    if layout.b_bytes < gp.DEPTH * gp.GROUP * TILE or layout.b_bytes % BASE_ALIGN:
-        problems.append(f"a token stage of {layout.b_bytes} B (DEPTH tiles, 1024-aligned)")
+    if layout.depth != plan.depth:
+        problems.append(f"stages of {layout.depth} K blocks, the plan's are {plan.depth}")
+    if layout.a_bytes < plan.depth * TILE * TILE or layout.a_bytes % BASE_ALIGN:
+        problems.append(f"a weight stage of {layout.a_bytes} B (depth boxes, 1024-aligned)")
+    if layout.b_bytes < plan.depth * gp.GROUP * TILE or layout.b_bytes % BASE_ALIGN:
+        problems.append(f"a token stage of {layout.b_bytes} B (depth tiles, 1024-aligned)")
     if layout.bars * 8 != need["bar"]:
         problems.append(f"{layout.bars} barriers, the device indexes {need['bar'] // 8}")
     # The scale ring and stage words are read up to stages + slots stages

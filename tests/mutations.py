@@ -117,6 +117,42 @@ MUTATIONS = (
         ("tests/test_runtime_devices.py::test_a_captured_graph_keeps_its_layer_alive",),
     ),
     Mutation(
+        "call-plan-kept-after-workspaces-remade", "runtime/moe.py",
+        "if plan is None or plan.workspace is not workspace:",
+        "if plan is None:",
+        ("tests/test_host_path.py::test_a_plan_is_remade_with_the_workspaces",),
+    ),
+    Mutation(
+        "call-plan-unlocked", "runtime/moe.py",
+        "        with self._lock:\n            for i, j in self.inputs:",
+        "        if True:\n            for i, j in self.inputs:",
+        ("tests/test_host_path.py::test_threads_sharing_a_plan_launch_their_own_addresses",),
+    ),
+    Mutation(
+        "call-plan-inputs-not-rewritten", "runtime/moe.py",
+        "                values[i] = addresses[j]",
+        "                pass",
+        ("tests/test_host_path.py::test_plans_launch_what_a_fill_by_name_gives",),
+    ),
+    Mutation(
+        "capture-query-skipped-on-another-device", "runtime/graphs.py",
+        "    if torch.cuda.current_device() != ordinal:\n        return True\n",
+        "",
+        ("tests/test_host_path.py::test_captured_launches_hold_the_layer",),
+    ),
+    Mutation(
+        "context-never-pushed", "runtime/moe.py",
+        "        if driver.context_is_current(self.ordinal):",
+        "        if True:",
+        ("tests/test_host_path.py::test_the_context_is_pushed_only_when_not_current",),
+    ),
+    Mutation(
+        "check-call-fast-path-skips-bias-alignment", "runtime/inputs.py",
+        "(x.data_ptr() | logits.data_ptr() | bias.data_ptr()) % ALIGN",
+        "(x.data_ptr() | logits.data_ptr()) % ALIGN",
+        ("tests/test_host_path.py::test_checks_after_an_accepted_call_refuse_as_before",),
+    ),
+    Mutation(
         "mega-cluster-role-off-by-one", "kernels/mega_plan.py",
         'route = group if plan.order == "shared_last" else routes - 1 - group',
         'route = group if plan.order == "shared_last" else routes - group',
@@ -190,7 +226,7 @@ MUTATIONS = (
     ),
     Mutation(
         "grouped-fc2-word-k-blocks", "kernels/grouped_plan.py",
-        "pack(True, 0, unit, tile, DEPTH * k, k == 0",
+        "pack(True, 0, unit, tile, plan.depth * k, k == 0",
         "pack(True, 0, unit, tile, k, k == 0",
         ("tests/test_grouped_plan.py::test_fc2_jobs_cover_every_unit_tile",),
     ),
@@ -256,8 +292,8 @@ MUTATIONS = (
     ),
     Mutation(
         "grouped-ring-index-wraps-at-stages", "kernels/grouped_plan.py",
-        "return (n % layout.ring) * (DEPTH * GROUP)",
-        "return (n % layout.stages) * (DEPTH * GROUP)",
+        "return (n % layout.ring) * (layout.depth * GROUP)",
+        "return (n % layout.stages) * (layout.depth * GROUP)",
         ("tests/test_grouped_plan.py::test_scale_ring_entries_live_a_whole_ring",),
     ),
     Mutation(

@@ -181,7 +181,7 @@ def check_cover(p, units):
             key = (unit, tile, kb)
             assert key not in seen, key
             seen[key] = cta
-            for d in range(gp.DEPTH):  # the stage's K blocks stay in range
+            for d in range(p.depth):  # the stage's K blocks stay in range
                 assert kb + d < p.nk1
         per_half = {0: [], 1: []}
         for piece in gp.pieces(p, units, cta):
@@ -202,7 +202,7 @@ def check_cover(p, units):
         (unit, tile, kb)
         for unit in range(units)
         for tile in range(2 * p.pairs)
-        for kb in range(0, p.nk1, gp.DEPTH)
+        for kb in range(0, p.nk1, p.depth)
     }
     assert set(seen) == expected
     assert set(finishers) == {(u, q) for u in range(units) for q in range(p.pairs)}
@@ -222,26 +222,30 @@ def test_fc1_stages_covered_once(units, grid):
 
 def test_fc1_cover_small_shapes():
     """Tiny shapes where pieces are long and short against the pair span."""
-    for hidden, inter, grid, units in [(256, 256, 3, 1), (512, 256, 5, 3), (1024, 512, 7, 45)]:
+    for hidden, inter, grid, units in [(256, 256, 3, 1), (512, 256, 5, 3), (1024, 512, 7, 45),
+                                       (640, 384, 5, 7), (128, 128, 3, 2), (384, 256, 11, 9)]:  # fmt: skip
         p = gp.GroupedPlan(hidden, inter, 32, 2, 16, grid)
         check_cover(p, units)
 
 
+@pytest.mark.parametrize("inter", [512, 384])
 @pytest.mark.parametrize("units", [1, 40, 41, 306])
-def test_fc2_jobs_cover_every_unit_tile(units):
-    p = plan()
+def test_fc2_jobs_cover_every_unit_tile(units, inter):
+    p = plan(inter=inter)
     r = gp.ranges(p, units, 0)
     got = [gp.job_of(p, 0, j) for j in range(r.j2a)]
     got += [gp.job_of(p, r.split, j) for j in range(r.j2b)]
     assert sorted(got) == [(u, t) for u in range(units) for t in range(p.tiles2)]
     words = gp.fc2_words(p, 3, 7)
-    assert len(words) == p.job and p.job * gp.DEPTH == p.nk2
+    assert len(words) == p.job and p.job * p.depth == p.nk2
     parts = [gp.unpack(w) for w in words]
-    assert [x[4] for x in parts] == list(range(0, p.nk2, gp.DEPTH))
+    assert [x[4] for x in parts] == list(range(0, p.nk2, p.depth))
     assert parts[0][5] and parts[-1][6] and all(x[0] and x[2:4] == (3, 7) for x in parts)
 
 
-@pytest.mark.parametrize("hidden,inter", [(4096, 512), (512, 768), (256, 256)])
+@pytest.mark.parametrize(
+    "hidden,inter", [(4096, 512), (512, 768), (256, 256), (5120, 384), (640, 256), (128, 128)]
+)
 @pytest.mark.parametrize("expert", [-1, 0, 5, 31])
 def test_a_unit_streams_each_weight_box_of_its_expert_once(hidden, inter, expert):
     """The weight boxes (``weight_box``) of a unit's FC1 stages (its
@@ -259,7 +263,7 @@ def test_a_unit_streams_each_weight_box_of_its_expert_once(hidden, inter, expert
         fc2, _, unit, tile, kb, _, _ = gp.unpack(word)
         assert unit == 0
         index, row_tile, chunk = gp.weight_box(p, fc2, expert, tile, kb)
-        got += [(index, row_tile, chunk + d) for d in range(gp.DEPTH)]
+        got += [(index, row_tile, chunk + d) for d in range(p.depth)]
     e, shared = max(expert, 0), 2 if expert < 0 else 0
     want = [(shared, t, e * p.nk1 + k) for t in range(2 * p.pairs) for k in range(p.nk1)]
     want += [(shared + 1, t, e * p.nk2 + k) for t in range(p.tiles2) for k in range(p.nk2)]
@@ -296,16 +300,17 @@ def test_b_tile_chunks_are_a_128_byte_swizzle():
     assert max(seen) + 16 == gp.DEPTH * gp.GROUP * TILE  # the layout's b_bytes
 
 
+@pytest.mark.parametrize("inter", [512, 384])
 @pytest.mark.parametrize("gatherers,slots", [(3, 0), (2, 16)])
-def test_scale_ring_entries_live_a_whole_ring(gatherers, slots):
+def test_scale_ring_entries_live_a_whole_ring(gatherers, slots, inter):
     """``ring_index``: a stage's DEPTH x GROUP column scales are distinct
     entries of the ring region, and no stage's entries are reused before
     ``ring`` more stages were written (the readers lag at most stages +
     slots < ring stages behind)."""
-    layout = gp.fit_layout(plan(), "sm_100a", gatherers, slots)
-    size = layout.ring * gp.DEPTH * gp.GROUP
+    layout = gp.fit_layout(plan(inter=inter), "sm_100a", gatherers, slots)
+    size = layout.ring * layout.depth * gp.GROUP
     entries = [
-        [gp.ring_index(layout, n, d, t) for d in range(gp.DEPTH) for t in range(gp.GROUP)]
+        [gp.ring_index(layout, n, d, t) for d in range(layout.depth) for t in range(gp.GROUP)]
         for n in range(3 * layout.ring)
     ]
     assert all(0 <= i < size for stage in entries for i in stage)
@@ -313,6 +318,24 @@ def test_scale_ring_entries_live_a_whole_ring(gatherers, slots):
         window = [i for stage in entries[n : n + layout.ring] for i in stage]
         assert len(set(window)) == len(window) == size
     assert layout.ring > layout.stages + layout.slots
+
+
+@pytest.mark.parametrize(
+    "hidden,inter,depth",
+    [(4096, 512, 2), (7168, 256, 2), (5120, 384, 1), (4096, 384, 1), (1152, 512, 1), (128, 128, 1)],
+)
+def test_stage_depth_divides_both_k_extents(hidden, inter, depth):
+    """Two K blocks a stage when both GEMMs' K block counts are even, else
+    one: a pair (FC1) and a job (FC2) are whole stages either way, and the
+    ring holds the same bytes in flight."""
+    p = plan(hidden=hidden, inter=inter)
+    assert p.depth == gp.stage_depth(hidden, inter) == depth
+    assert p.span * p.depth == 2 * p.nk1 and p.job * p.depth == p.nk2
+    most, fewest = gp.stage_bounds(depth)
+    assert most * depth == gp.MAX_STAGES * gp.DEPTH and fewest * depth == gp.MIN_STAGES * gp.DEPTH
+    layout = gp.fit_layout(p, "sm_90a", 3)
+    assert layout.depth == depth and fewest <= layout.stages <= most
+    assert layout.a_bytes == depth * gp.STAGE_BYTES
 
 
 def test_pack_roundtrip_and_end():
@@ -536,17 +559,21 @@ def test_plan_refuses_unservable_shapes():
         gp.GroupedPlan(4096, 512, 100, 8, 64, 132)
     with pytest.raises(ValueError, match="tokens"):
         gp.GroupedPlan(4096, 512, 288, 8, 65, 132)
-    with pytest.raises(ValueError, match="multiples of 256"):
-        gp.GroupedPlan(4096, 384, 288, 8, 64, 132)
+    with pytest.raises(ValueError, match="positive multiples of 128"):
+        gp.GroupedPlan(4096, 320, 288, 8, 64, 132)
+    with pytest.raises(ValueError, match="at most 64 blocks of 128"):
+        gp.GroupedPlan(8320, 512, 288, 8, 64, 132)
     assert gp.plan_problems(4096, 512, 288, 8, 64) == []
+    assert gp.plan_problems(8192, 384, 288, 8, 64) == []  # 64 K blocks: indices 0..63
 
 
 def test_shape_rules_name_the_plan_limits(monkeypatch):
     from kernels.shapes import unsupported
 
     assert unsupported("grouped", "sm_90a", 4096, 512, 288, 8, 64) == []
-    reasons = unsupported("grouped", "sm_90a", 4096, 384, 100, 8, 64)
-    assert any("inter 384" in r for r in reasons) and any("experts 100" in r for r in reasons)
+    assert unsupported("grouped", "sm_90a", 5120, 384, 160, 8, 64) == []
+    reasons = unsupported("grouped", "sm_90a", 4096, 320, 100, 8, 64)
+    assert any("inter 320" in r for r in reasons) and any("experts 100" in r for r in reasons)
     # A target whose shared memory cannot hold the smallest ring.
     monkeypatch.setitem(SMEM_LIMIT, "sm_90a", 100 * 1024)
     assert any("shared memory" in r for r in unsupported("grouped", "sm_90a", 4096, 512, 288, 8, 8))

@@ -13,6 +13,7 @@ the right numbers. The plan formulas themselves are tested in
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from pathlib import Path
 
@@ -103,17 +104,19 @@ def test_stage_counts_of_the_glm5_buckets():
     assert min(stages) >= 5, stages
 
 
-def test_accumulators_fit_the_tmem_allocation():
-    """Each stage's DEPTH K blocks get GROUP columns each (N = GROUP), the
+@pytest.mark.parametrize("inter,depth,slots", [(512, 2, 16), (384, 1, 32)])
+def test_accumulators_fit_the_tmem_allocation(inter, depth, slots):
+    """Each stage's ``depth`` K blocks get GROUP columns each (N = GROUP), the
     slots rotate through one allocation, which is a legal one (a power of two
     in 32..512) and, one CTA per SM, all of TMEM; as many slots as it holds,
     at most 32."""
-    assert grouped.COLUMNS == gp.DEPTH * gp.GROUP
+    s = dataclasses.replace(spec(64), inter=inter)
+    p, k = gp.GroupedPlan.from_spec(s), grouped.GroupedKernel(s)
+    assert p.depth == depth and grouped.columns_of(p) == k.columns == depth * gp.GROUP
     columns = grouped.TMEM_COLUMNS
     assert columns == tc.TMEM_MAX_COLUMNS and columns & (columns - 1) == 0
-    assert grouped.SLOTS == min(32, columns // grouped.COLUMNS)
-    assert grouped.SLOTS * grouped.COLUMNS <= columns
-    assert kernel(64).slots == grouped.SLOTS
+    assert grouped.slots_of(p) == min(32, columns // k.columns) == slots == k.slots
+    assert k.slots * k.columns <= columns
 
 
 def test_warp_roles_cover_the_tmem_lanes():
@@ -226,8 +229,6 @@ def test_routed_only_softmax_variant_builds_for_sm100a(tmp_path):
     """A model without a shared expert (the Qwen3 family: softmax, no bias,
     no clamp) builds the routed-only entry: the shared expert's parameters
     and maps dropped, the same UMMA site, no local memory."""
-    import dataclasses
-
     s = dataclasses.replace(spec(32, "bfloat16", True), experts=128, shared_experts=0,
                             score="softmax", bias=False, limit=None)  # fmt: skip
     (r,) = compile_specs("sm_100a", [("routed", s)], tmp_path)
