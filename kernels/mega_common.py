@@ -184,8 +184,9 @@ def finish_slice(plan: mp.MegaPlan, base: Int32, e, token, rank, weight, out: In
                  shared_out: Int64, final: Int64, arrivals: Int64,
                  barrier: cutlass.Constexpr[int]):  # fmt: skip
     """The finalize, run by the group of ``GROUP_THREADS`` of every CTA once
-    it has stored its slice of the output row (columns ``rank * rows2 ..``
-    of a route's ``out`` row or of ``shared_out[token]``).
+    it has stored its slice of the output row (columns ``rank * rows2 ..``,
+    ``mega_plan.slice_rows`` of them, of a route's ``out`` row or of
+    ``shared_out[token]``).
 
     Protocol (no CTA waits on another): after a named barrier, thread 0
     releases the slice (``fence.acq_rel.gpu`` + ``atom.release.gpu.add`` on
@@ -212,6 +213,8 @@ def finish_slice(plan: mp.MegaPlan, base: Int32, e, token, rank, weight, out: In
         for k in cutlass.range_constexpr(plan.top_k):
             picks[k] = cute.arch.shuffle_sync(weight, k)
         per_row = plan.rows2 // 8
+        if cutlass.const_expr(not plan.even2):
+            per_row = mp.slice_rows(plan, rank, cutlass.min) // 8  # the last ranks' end at H
         for v in cutlass.range(e, per_row, GROUP_THREADS, unroll=1):
             column = Int64(rank * plan.rows2 + v * 8)
             total = cute.make_rmem_tensor(cute.make_layout((8,)), Float32)

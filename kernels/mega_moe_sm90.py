@@ -303,7 +303,7 @@ class MegaMoeSm90:
                 first, block = mp.gemm1_box(plan, rank, n, expert)
                 ptx.tma_load_3d_hint(dst, map1, full + 8 * slot, 0, first, block, policy)
             else:
-                first, block = mp.gemm2_box(plan, rank, n - plan.blocks1, expert)
+                first, block = mp.gemm2_box(plan, rank, n - plan.blocks1, expert, cutlass.min)
                 ptx.tma_load_3d_hint(dst, map2, full + 8 * slot, 0, first, block, policy)
         if cutlass.const_expr(plan.loads <= stages):
             ptx.cluster_wait_divergent()
@@ -319,25 +319,35 @@ class MegaMoeSm90:
         stages, nk1, nk2, tiles2 = self.stages, self.nk1, self.nk2, self.tiles2
         b1 = base + plan.offset("b1")
         xscale = base + plan.offset("xscale")
-        sets = nk1 // 8
+        sets = -(-nk1 // 8)  # accumulator column sets (the last may be partial)
         quad = lane % 4
         r0 = (tid // 32) * 16 + lane // 4  # fragment row of this thread (and r0 + 8)
         # The one row of 128 this thread owns after the quad reduction.
         row = (quad // 2) * 64 + r0 + (quad % 2) * 8
 
         # Thread t quantizes 16-value chunk t % 8 of K blocks t // 8 + 16 j (FP8
-        # per 128) and keeps the codes for the B tile refills.
-        per = nk1 // 16
+        # per 128) and keeps the codes for the B tile refills. Past the last K
+        # block (nk1 not a multiple of 16) the 8 lanes of a block quantize the
+        # last one again (the amax is a shuffle of all 8) and keep nothing.
+        per = -(-nk1 // 16)
         chunk = tid % 8
         codes = cute.make_rmem_tensor(cute.make_layout((4 * per,)), Uint32)
         x_row = x + Int64(token) * (self.hidden * 2)
         for j in cutlass.range_constexpr(per):
             kb = tid // 8 + 16 * j
-            words, sx = mgc.quantize_chunk(x_row, kb, chunk, self.ue8m0)
+            if cutlass.const_expr(nk1 % 16 == 0):
+                words, sx = mgc.quantize_chunk(x_row, kb, chunk, self.ue8m0)
+            else:
+                words, sx = mgc.quantize_chunk(x_row, cutlass.min(kb, nk1 - 1), chunk,
+                                               self.ue8m0)  # fmt: skip
             for w in cutlass.range_constexpr(4):
                 codes[4 * j + w] = words[w]
             if chunk == 0:
-                ptx.st_shared_f32(xscale + kb * 4, sx)
+                if cutlass.const_expr(nk1 % 16 == 0):
+                    ptx.st_shared_f32(xscale + kb * 4, sx)
+                else:
+                    if kb < nk1:
+                        ptx.st_shared_f32(xscale + kb * 4, sx)
         # K blocks 0..7 into B tiles 0..7.
         if tid < 8 * mp.B1_ROTATING:
             self.fill_b1(b1, tid // 8, chunk, codes, 0)
@@ -347,18 +357,17 @@ class MegaMoeSm90:
         s13 = w13_scale + (Int64(expert) * self.cluster + rank) * nk1 * 4
         w1s = cute.make_rmem_tensor(cute.make_layout((2 * sets,)), Float32)
         for j in cutlass.range_constexpr(2 * sets):
-            w1s[j] = ptx.ld_global_nc_f32(s13 + ((j // 2) * 8 + 2 * quad + j % 2) * 4)
+            col = (j // 2) * 8 + 2 * quad + j % 2  # K block of this column
+            if cutlass.const_expr(nk1 % 8 == 0):
+                w1s[j] = ptx.ld_global_nc_f32(s13 + col * 4)
+            else:
+                w1s[j] = ptx.ld_global_nc_f32(s13 + cutlass.min(col, nk1 - 1) * 4)
         local = logical_row(rows1, rank * TILE + row) - rank * TILE
-        s2 = w2_scale + (
-            (Int64(expert) * (self.hidden // TILE) + rank * tiles2) * nk2) * 4  # fmt: skip
-        w2s = cute.make_rmem_tensor(cute.make_layout((2 * tiles2,)), Float32)
-        for t in cutlass.range_constexpr(tiles2):
-            for c in cutlass.range_constexpr(2):
-                col = cutlass.min(2 * quad + c, nk2 - 1)
-                w2s[2 * t + c] = ptx.ld_global_nc_f32(s2 + (t * nk2 + col) * 4)
-        out_rows = cute.make_rmem_tensor(cute.make_layout((tiles2,)), Int32)
-        for t in cutlass.range_constexpr(tiles2):
-            out_rows[t] = logical_row(rows2, rank * self.rows2 + t * TILE + row)
+        groups = plan.gemm2_groups
+        # One group: its GEMM2 inputs load while the first stages stream in.
+        if cutlass.const_expr(len(groups) == 1):
+            w2s, out_rows = self.gemm2_inputs(w2_scale, rows2, expert, rank, quad, row, 0,
+                                              tiles2)  # fmt: skip
         ptx.cluster_wait()  # peers' barriers are initialized; "Cluster waits"
         ptx.fence_proxy_async_shared()
         ptx.bar_sync(WG_BARRIER, MMA_THREADS)
@@ -388,7 +397,7 @@ class MegaMoeSm90:
                 # n + 4 .. n + 7 (needed from iteration n + 4 on).
                 first = n - REFILL + mp.B1_ROTATING
                 if tid // 8 >= first % 16:
-                    if tid // 8 < first % 16 + REFILL:
+                    if tid // 8 < first % 16 + min(REFILL, nk1 - first):
                         self.fill_b1(b1, first + (tid // 8 - first % 16), chunk, codes, first // 16)
                 ptx.fence_proxy_async_shared()
                 ptx.bar_sync(WG_BARRIER, MMA_THREADS)
@@ -399,7 +408,15 @@ class MegaMoeSm90:
 
         # Scale and sum the columns of each row; quad lanes share a row.
         for j in cutlass.range_constexpr(2 * sets):
-            w1s[j] = w1s[j] * ptx.ld_shared_f32(xscale + ((j // 2) * 8 + 2 * quad + j % 2) * 4)
+            col = (j // 2) * 8 + 2 * quad + j % 2
+            if cutlass.const_expr(nk1 % 8 == 0):
+                w1s[j] = w1s[j] * ptx.ld_shared_f32(xscale + col * 4)
+            else:
+                # A column past the last K block holds zeros: weight it 0 (its
+                # scale slot is never written).
+                w1s[j] = w1s[j] * ptx.ld_shared_f32(xscale + cutlass.min(col, nk1 - 1) * 4)
+                if col >= nk1:
+                    w1s[j] = Float32(0.0)
         sums = cute.make_rmem_tensor(cute.make_layout((4,)), Float32)
         for h in cutlass.range_constexpr(2):
             for r in cutlass.range_constexpr(2):
@@ -431,11 +448,57 @@ class MegaMoeSm90:
             hs[c] = ptx.ld_shared_f32(base + plan.offset("hscale") + cutlass.min(col, nk2 - 1) * 4)
             if col >= nk2:
                 hs[c] = Float32(0.0)
-        acc2 = [[[zero] * 4 for _ in range(2)] for _ in range(tiles2)]  # [tile][half]
-        for m in cutlass.range_constexpr(tiles2 * nk2):
+        for gi in cutlass.range_constexpr(len(groups)):
+            g0, gn = groups[gi]
+            if cutlass.const_expr(len(groups) > 1):
+                w2s, out_rows = self.gemm2_inputs(w2_scale, rows2, expert, rank, quad, row, g0,
+                                                  gn)  # fmt: skip
+            self.gemm2_group(base, full, empty, lane, quad, rank, hs, w2s, out_rows, out_row,
+                             g0, gn)  # fmt: skip
+
+    @cute.jit
+    def gemm2_inputs(self, w2_scale, rows2, expert, rank, quad, row,
+                     g0: cutlass.Constexpr[int], gn: cutlass.Constexpr[int]):  # fmt: skip
+        """The block scales (this thread's two columns) and logical output
+        rows of GEMM2 tiles ``g0 .. g0 + gn - 1`` of this CTA
+        (``mega_plan.gemm2_tile``)."""
+        plan, nk2, tiles2 = self.plan, self.nk2, self.tiles2
+        w2s = cute.make_rmem_tensor(cute.make_layout((2 * gn,)), Float32)
+        out_rows = cute.make_rmem_tensor(cute.make_layout((gn,)), Int32)
+        if cutlass.const_expr(plan.even2):
+            s2 = w2_scale + (
+                (Int64(expert) * (self.hidden // TILE) + rank * tiles2) * nk2) * 4  # fmt: skip
+            for i in cutlass.range_constexpr(gn):
+                for c in cutlass.range_constexpr(2):
+                    col = cutlass.min(2 * quad + c, nk2 - 1)
+                    w2s[2 * i + c] = ptx.ld_global_nc_f32(s2 + ((g0 + i) * nk2 + col) * 4)
+            for i in cutlass.range_constexpr(gn):
+                out_rows[i] = logical_row(rows2, rank * self.rows2 + (g0 + i) * TILE + row)
+        else:
+            for i in cutlass.range_constexpr(gn):
+                tile = mp.gemm2_tile(plan, rank, g0 + i, cutlass.min)
+                s2 = w2_scale + ((Int64(expert) * plan.tiles_out + tile) * nk2) * 4
+                for c in cutlass.range_constexpr(2):
+                    col = cutlass.min(2 * quad + c, nk2 - 1)
+                    w2s[2 * i + c] = ptx.ld_global_nc_f32(s2 + col * 4)
+                out_rows[i] = logical_row(rows2, tile * TILE + row)
+        return w2s, out_rows
+
+    @cute.jit
+    def gemm2_group(self, base, full, empty, lane, quad, rank, hs, w2s, out_rows, out_row,
+                    g0: cutlass.Constexpr[int], gn: cutlass.Constexpr[int]):  # fmt: skip
+        """GEMM2 tiles ``g0 .. g0 + gn - 1`` of this CTA: their stages' MMAs
+        (hidden block kb is B column kb), then, all retired, their rows
+        scaled, quad-reduced and stored (a tile past the output's end, of an
+        uneven split, is not stored)."""
+        plan, stages, nk1, nk2 = self.plan, self.stages, self.nk1, self.nk2
+        zero = Float32(0.0)
+        acc2 = [[[zero] * 4 for _ in range(2)] for _ in range(gn)]  # [tile][half]
+        for mm in cutlass.range_constexpr(gn * nk2):
+            m = g0 * nk2 + mm
             n = nk1 + m
             slot = n % stages
-            t, kb2 = m // nk2, m % nk2
+            t, kb2 = mm // nk2, mm % nk2
             ptx.mbarrier_wait(full + 8 * slot, (n // stages) % 2)
             adesc = wgmma.smem_desc_sw128(base + slot * STAGE_BYTES)
             bdesc = wgmma.smem_desc_sw128(base + plan.offset("b2") + kb2 * plan.b_bytes)
@@ -452,12 +515,13 @@ class MegaMoeSm90:
             if cutlass.const_expr(m > 0):
                 self.release(empty, (n - 1) % stages, lane, 1)
         wgmma.wgmma_wait(0)
-        for t in cutlass.range_constexpr(tiles2):
+        for t in cutlass.range_constexpr(gn):
             for h in cutlass.range_constexpr(2):
                 acc2[t][h] = wgmma.fence_operands(acc2[t][h])
-        # (the last stages need no release: nothing loads after them)
+        # (the last stages need no release: nothing loads after them; a
+        # group's last stage is released by the next group's first MMA)
 
-        for t in cutlass.range_constexpr(tiles2):
+        for t in cutlass.range_constexpr(gn):
             sums2 = cute.make_rmem_tensor(cute.make_layout((4,)), Float32)
             for h in cutlass.range_constexpr(2):
                 for r in cutlass.range_constexpr(2):
@@ -466,7 +530,11 @@ class MegaMoeSm90:
                         v = v + acc2[t][h][2 * r + c] * (w2s[2 * t + c] * hs[c])
                     sums2[2 * h + r] = v
             value = _quad_pick(sums2, quad)
-            mgc.store_output(out_row, out_rows[t], value)
+            if cutlass.const_expr(plan.even2):
+                mgc.store_output(out_row, out_rows[t], value)
+            else:
+                if mp.stores_tile(plan, rank, g0 + t):
+                    mgc.store_output(out_row, out_rows[t], value)
 
     @cute.jit
     def fill_b1(self, b1, kb, chunk, codes, j: cutlass.Constexpr[int]):

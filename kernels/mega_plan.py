@@ -11,7 +11,13 @@ route in one launch. A cluster streams its expert's weights once:
   up tile's CTA turns its 128 values into one FP8 hidden K block (clamped
   SwiGLU, one scale) that it sends to every CTA of the cluster.
 * GEMM2: CTA ``rank`` owns output rows ``rank * rows2 .. + rows2`` (``tiles2``
-  row tiles of 128) over all I/128 hidden K blocks.
+  row tiles of 128, ``gemm2_tile``) over all I/128 hidden K blocks. When the
+  H/128 output row tiles do not divide by the cluster, ``tiles2`` rounds up:
+  the last ranks' slices end at H, and a CTA past the end recomputes the
+  last tile and stores nothing (``stores_tile``); every CTA streams the same
+  number of stages, so the critical path is the one of an even split with
+  that many tiles. The sm_90a kernel keeps at most ``GEMM2_GROUP`` tiles'
+  accumulators live at once (``gemm2_groups``).
 
 A CTA streams ``loads`` = blocks1 + tiles2 * I/128 weight stages (one 128 x
 128 FP8 box each, ``gemm1_box`` then ``gemm2_box``) through a ring of
@@ -72,6 +78,11 @@ class MegaArch:
     k_blocks: tuple[int, int] = (0, 0)
     #: sm_100a: TMEM columns (GEMM1's ``b_rows`` plus ``b_rows`` per GEMM2 row tile).
     tmem_columns: int = 0
+    #: Whether GEMM2 may split the output row tiles unevenly over the
+    #: cluster (``gemm2_tile``); else hidden must divide by cluster * 128.
+    uneven_gemm2: bool = False
+    #: Most CTAs of a cluster (one per GEMM1 row tile and K part).
+    max_cluster: int = 16
 
 
 ARCH = {
@@ -80,7 +91,7 @@ ARCH = {
         stages={1: (10, 1), 2: (6, 2), 3: (6, 2), 4: (3, 3)},
         order={1: "shared_last_reversed", 2: "shared_first", 3: "shared_first",
                4: "shared_last_reversed"},
-        sets_of=16, k_blocks=(16, 64),
+        sets_of=8, k_blocks=(8, 64), uneven_gemm2=True,
     ),
     "sm_100a": MegaArch(
         arch="sm_100a", split=2, b_rows=16, cluster=16,
@@ -93,6 +104,9 @@ ARCH = {
 #: sm_90a GEMM1 B operand: 8 rotating tiles (tile b only ever holds a token
 #: K block in row b, so a refill needs no zeroing), refilled 4 K blocks at a time.
 B1_ROTATING = 8
+#: Most GEMM2 row tiles whose accumulators the sm_90a kernel keeps live at
+#: once (8 registers a tile per thread; GLM-5's 4 tiles run as one group).
+GEMM2_GROUP = 4
 
 
 @dataclass(frozen=True)
@@ -139,12 +153,27 @@ class MegaPlan:
         return self.nk1 // self.split
 
     @property
-    def rows2(self) -> int:  # GEMM2 output rows of one CTA
-        return self.hidden // self.cluster
+    def tiles_out(self) -> int:  # GEMM2 output row tiles (hidden / 128)
+        return self.hidden // TILE
 
     @property
-    def tiles2(self) -> int:
-        return self.rows2 // TILE
+    def tiles2(self) -> int:  # GEMM2 row tiles of one CTA (the last may be past H)
+        return -(-self.tiles_out // self.cluster)
+
+    @property
+    def even2(self) -> bool:  # every CTA's tiles lie inside the output
+        return self.tiles_out % self.cluster == 0
+
+    @property
+    def rows2(self) -> int:  # GEMM2 output rows of one CTA's slice (fewer past H)
+        return self.tiles2 * TILE
+
+    @property
+    def gemm2_groups(self) -> tuple[tuple[int, int], ...]:
+        """sm_90a: (first tile, tiles) of each group of at most GEMM2_GROUP
+        tiles whose accumulators are live together."""
+        size = min(self.tiles2, GEMM2_GROUP)
+        return tuple((t, min(size, self.tiles2 - t)) for t in range(0, self.tiles2, size))
 
     @property
     def loads(self) -> int:  # weight stages one CTA streams
@@ -254,21 +283,22 @@ def problems(arch: str, hidden: int, inter: int, experts: int, top_k: int, token
         return reasons
     tiles1, nk1, nk2 = 2 * inter // TILE, hidden // TILE, inter // TILE
     cluster = tiles1 * cfg.split
-    if cfg.cluster is None and tiles1 not in (2, 4, 8, 16):
+    if cfg.cluster is None and not 2 <= tiles1 <= cfg.max_cluster:
         reasons.append(f"inter {inter}: the {arch} mega kernel runs one CTA per GEMM1 row tile "
-                       "in a cluster of 2, 4, 8 or 16: 2*inter/128 must be one of them")  # fmt: skip
+                       f"in a cluster of at most {cfg.max_cluster}: inter at most "
+                       f"{cfg.max_cluster * TILE // 2}")  # fmt: skip
     if cfg.cluster is not None and cluster != cfg.cluster:
         reasons.append(f"inter {inter}: the {arch} mega kernel's cluster is {cfg.split} K parts "
                        f"x 2*inter/128 row tiles = {cfg.cluster} CTAs (inter "
                        f"{cfg.cluster // cfg.split * TILE // 2})")  # fmt: skip
-    if hidden % (cluster * TILE):
+    if not cfg.uneven_gemm2 and hidden % (cluster * TILE):
         reasons.append(f"hidden {hidden}: GEMM2 splits hidden over {cluster} CTAs in 128-row "
                        f"tiles: hidden must be a multiple of {cluster * TILE}")  # fmt: skip
     if cfg.sets_of:
         low, high = cfg.k_blocks
-        if nk1 % cfg.sets_of or not low <= nk1 <= high:
+        if not low <= nk1 <= high:
             reasons.append(f"hidden {hidden}: the {arch} mega kernel holds hidden/128 K blocks "
-                           f"in {low}..{high}, a multiple of {cfg.sets_of}")  # fmt: skip
+                           f"in {low}..{high} (hidden {low * TILE}..{high * TILE})")  # fmt: skip
         if nk2 > cfg.b_rows:
             reasons.append(f"inter {inter}: inter/128 hidden blocks are columns of an "
                            f"N={cfg.b_rows} tile (at most {cfg.b_rows})")  # fmt: skip
@@ -328,10 +358,39 @@ def gemm1_box(plan: MegaPlan, rank, n, expert):
     return (rank // plan.split) * TILE, expert * plan.nk1 + part * plan.blocks1 + n
 
 
-def gemm2_box(plan: MegaPlan, rank, m, expert):
-    """``(first row, K block)`` of CTA ``rank``'s m-th GEMM2 stage (row tile
-    ``m // nk2``, hidden block ``m % nk2``) in the w2 map."""
-    return rank * plan.rows2 + (m // plan.nk2) * TILE, expert * plan.nk2 + m % plan.nk2
+def gemm2_tile(plan: MegaPlan, rank, t, minimum=min):
+    """The output row tile of CTA ``rank``'s t-th GEMM2 tile: ``rank *
+    tiles2 + t``, clamped to the last tile when the split is uneven (a CTA
+    past the end recomputes it; ``stores_tile`` says it stores nothing).
+    ``minimum``: min of the caller's integers (``cutlass.min`` on the
+    device)."""
+    tile = rank * plan.tiles2 + t
+    if plan.even2:
+        return tile
+    return minimum(tile, plan.tiles_out - 1)
+
+
+def stores_tile(plan: MegaPlan, rank, t):
+    """Whether CTA ``rank``'s t-th GEMM2 tile is its own (inside the output)."""
+    return rank * plan.tiles2 + t < plan.tiles_out
+
+
+def slice_rows(plan: MegaPlan, rank, minimum=min):
+    """Output rows (a multiple of 8) of CTA ``rank``'s slice: ``rows2``, fewer
+    where the slice reaches past H (0 or less: none)."""
+    if plan.even2:
+        return plan.rows2
+    return minimum(plan.rows2, plan.hidden - rank * plan.rows2)
+
+
+def gemm2_box(plan: MegaPlan, rank, m, expert, minimum=min):
+    """``(first row, K block)`` of CTA ``rank``'s m-th GEMM2 stage (its tile
+    ``m // nk2``: ``gemm2_tile``; hidden block ``m % nk2``) in the w2 map."""
+    if plan.even2:
+        first = rank * plan.rows2 + (m // plan.nk2) * TILE
+    else:
+        first = gemm2_tile(plan, rank, m // plan.nk2, minimum) * TILE
+    return first, expert * plan.nk2 + m % plan.nk2
 
 
 def b_chunk(plan: MegaPlan, tile, row, chunk):

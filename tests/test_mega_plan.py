@@ -22,7 +22,13 @@ ARCHS = tuple(mp.ARCH)
 #: Shapes each arch's rules accept (for the enumerations below).
 SHAPES = {
     "sm_90a": [GLM5, {**GLM5, "inter": 256}, {**GLM5, "hidden": 2048, "inter": 128},
-               {**GLM5, "hidden": 8192, "inter": 1024, "top_k": 4}],
+               {**GLM5, "hidden": 8192, "inter": 1024, "top_k": 4},
+               # Output row tiles that do not divide by the cluster (GLM-4.5,
+               # Qwen3-30B), DeepSeek-V3's 56 K blocks, an odd K block count.
+               {**GLM5, "hidden": 5120, "inter": 384, "experts": 160},
+               {**GLM5, "hidden": 2048, "inter": 768, "experts": 128},
+               {**GLM5, "hidden": 7168, "inter": 256, "experts": 256},
+               {**GLM5, "hidden": 1152, "inter": 384, "experts": 64}],
     "sm_100a": [GLM5],
 }  # fmt: skip
 
@@ -72,12 +78,20 @@ def test_orders_place_the_shared_clusters(order, monkeypatch):
 
 @pytest.mark.parametrize("arch,shape", [(a, s) for a in ARCHS for s in SHAPES[a]])
 def test_a_cluster_streams_each_weight_box_of_its_expert_once(arch, shape):
+    """Every weight box of the expert is streamed by exactly one CTA that
+    stores its result; an uneven GEMM2 split adds only repeats of the last
+    tile (never stored)."""
     p = mp.plan_for(arch, **shape, tokens=1, shared_experts=1)
     h, i, expert = shape["hidden"], shape["inter"], 5
     w13, w2 = [], []
     for rank in range(p.cluster):
         w13 += [mp.gemm1_box(p, rank, n, expert) for n in range(p.blocks1)]
-        w2 += [mp.gemm2_box(p, rank, m, expert) for m in range(p.loads - p.blocks1)]
+        for m in range(p.loads - p.blocks1):
+            box = mp.gemm2_box(p, rank, m, expert)
+            if mp.stores_tile(p, rank, m // p.nk2):
+                w2.append(box)
+            else:  # past the end: the last tile again, never stored
+                assert box[0] == h - TILE and not p.even2
     # w13: every 128-row tile of the 2I rows, at every K block of the expert.
     assert sorted(w13) == sorted(itertools.product(range(0, 2 * i, TILE),
                                                    range(expert * (h // TILE),
@@ -93,8 +107,12 @@ def test_a_cluster_streams_each_weight_box_of_its_expert_once(arch, shape):
         blocks = [mp.gemm1_box(p, rank, n, expert)[1] for n in range(p.blocks1)]
         assert len(rows) == 1 and blocks == sorted(blocks)
         assert blocks[-1] - blocks[0] == p.blocks1 - 1
-        rows2 = {mp.gemm2_box(p, rank, m, expert)[0] for m in range(p.loads - p.blocks1)}
-        assert rows2 == set(range(rank * h // p.cluster, (rank + 1) * h // p.cluster, TILE))
+        rows2 = {mp.gemm2_box(p, rank, m, expert)[0] for m in range(p.loads - p.blocks1)
+                 if mp.stores_tile(p, rank, m // p.nk2)}  # fmt: skip
+        start = rank * p.rows2
+        assert rows2 == set(range(start, min(start + p.rows2, h), TILE))
+        assert len(rows2) * TILE == max(0, mp.slice_rows(p, rank))
+        assert p.loads == p.blocks1 + p.tiles2 * p.nk2  # every CTA streams the same stages
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -155,9 +173,9 @@ def test_dsmem_bytes_match_the_expected_transactions():
 @pytest.mark.parametrize(
     ("arch", "shape", "words"),
     [
-        ("sm_90a", {"inter": 384}, "2*inter/128"),
-        ("sm_90a", {"hidden": 7168, "inter": 256}, "hidden/128 K blocks"),
-        ("sm_90a", {"hidden": 1024, "inter": 128}, "hidden/128 K blocks"),
+        ("sm_90a", {"inter": 1152}, "cluster of at most 16"),
+        ("sm_90a", {"hidden": 8320, "inter": 256}, "hidden/128 K blocks in 8..64"),
+        ("sm_90a", {"hidden": 896, "inter": 128}, "hidden/128 K blocks in 8..64"),
         ("sm_90a", {"experts": 100}, "multiple of 32"),
         ("sm_90a", {"top_k": 33}, "one route per lane"),
         ("sm_90a", {"inter": 1000}, "multiples of 128"),
@@ -207,5 +225,8 @@ def test_every_slice_of_final_has_one_last_arriver(arch, shape, tokens, shared):
     assert set(clusters.values()) == {p.arrivals} == {shape["top_k"] + shared}
     words = {t * p.cluster + r for t in range(tokens) for r in range(p.cluster)}
     assert len(words) == tokens * p.cluster and max(words) * 4 + 4 <= p.arrival_bytes
-    # The slices of the ranks tile the row: rows2 columns each.
-    assert p.rows2 * p.cluster == shape["hidden"] and (p.rows2 // 8) * 8 == p.rows2
+    # The slices of the ranks tile the row: rows2 columns each, the last
+    # ranks' cut at H (an uneven split).
+    sizes = [max(0, mp.slice_rows(p, r)) for r in range(p.cluster)]
+    assert sum(sizes) == shape["hidden"] and all(n % 8 == 0 for n in sizes)
+    assert sizes[0] == p.rows2 and (p.even2 == (sizes == [p.rows2] * p.cluster))

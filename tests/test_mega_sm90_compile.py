@@ -11,6 +11,7 @@ What the kernel computes is checked on the H200 (``test_mega_sm90_gpu.py``).
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -111,3 +112,48 @@ def test_launch_records_match_the_mega_abi(built):
         assert all(size == "[8]" or ".u64" in decl for decl, size in params), params
         wait = body.index("griddepcontrol.wait")
         assert all(body.index(load) > wait for load in ("ld.global.nc", "cp.async.bulk.tensor"))
+
+
+#: Other models' shards (docs/models.md): an uneven GEMM2 split over a
+#: 6-CTA cluster (GLM-4.5), a 12-CTA cluster without a shared expert and
+#: softmax routing (Qwen3-30B), DeepSeek-V3's group-limited routing over 56 K
+#: blocks, and an odd K block count.
+OTHER_SHAPES = [
+    dict(hidden=5120, inter=384, experts=160, tokens=1, shared_experts=1),
+    dict(
+        hidden=2048, inter=768, experts=128, tokens=4, shared_experts=0, score="softmax", bias=False
+    ),  # fmt: skip
+    dict(
+        hidden=7168, inter=256, experts=256, tokens=2, shared_experts=1, groups=8, groups_kept=4
+    ),  # fmt: skip
+    dict(hidden=1152, inter=384, experts=64, tokens=3, shared_experts=1),
+]
+
+
+@pytest.mark.compile
+def test_other_model_shapes_build(tmp_path):
+    """Each shape compiles into the mega ABI with its own cluster (one CTA per
+    GEMM1 row tile), streams ``mega_plan.MegaPlan.loads`` TMA stages a CTA
+    (an uneven split's CTAs all stream as many), eight m64n8k32 wgmma a
+    stage, and keeps no local memory."""
+    from kernels import mega_plan as mp
+
+    specs = [
+        dataclasses.replace(spec(1), limit=None, **{k: v for k, v in shape.items()})
+        for shape in OTHER_SHAPES
+    ]
+    records = compile_specs("sm_90a", [(f"o{i}", s) for i, s in enumerate(specs)], tmp_path)
+    tool = cuobjdump()
+    for i, (s, r) in enumerate(zip(specs, records, strict=True)):
+        p = mp.plan_of(s)
+        cubin = tmp_path / f"o{i}.cubin"
+        ops, res = sass_counts(tool, cubin), resources(tool, cubin)
+        print(f"{s.hidden}x{s.inter} m{s.tokens}: REG {res['REG']}, STACK {res['STACK']}, "
+              f"cluster {p.cluster}, tiles2 {p.tiles2} (even {p.even2}), loads {p.loads}")  # fmt: skip
+        assert p.cluster == 2 * s.inter // 128 and r["cluster"] == [p.cluster, 1, 1]
+        assert r["grid"] == [p.cluster * s.tokens * (s.top_k + s.shared_experts), 1, 1]
+        names = MEGA_PARAMS if s.shared_experts else ROUTED_PARAMS
+        assert [n for n, _ in r["params"]] == list(names)
+        assert ops.get("UTMALDG.3D", 0) == p.loads == p.nk1 + p.tiles2 * p.nk2, ops
+        assert count(ops, "QGMMA") == p.loads * 2 * 4, ops
+        assert res["LOCAL"] == 0, res
