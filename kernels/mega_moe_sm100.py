@@ -1,9 +1,10 @@
 """The mega kernel on Blackwell (sm_100a): UMMA (tcgen05) into TMEM.
 
 Every (token, expert) route of M tokens, and each token's shared expert, runs
-as one 16-CTA cluster in one launch (``kernels/mega_plan.py``: CTA ``rank``
-owns GEMM1 row tile ``rank // 2`` over K part ``rank % 2`` and GEMM2 rows
-``rank * H/16 ..``; ``kernels/mega_common.py``: which cluster is which,
+as one cluster of 2I/128 x ``split`` CTAs in one launch (``kernels/mega_plan.py``:
+CTA ``rank`` owns GEMM1 row tile ``rank // split`` over K part ``rank %
+split`` and GEMM2 row tiles ``mega_plan.gemm2_tile``; GLM-5: 16 CTAs, 2 K
+parts; ``kernels/mega_common.py``: which cluster is which,
 routing, quantization, the hidden block). A cluster writes one unweighted
 BF16 row (``out[token * top_k + k]`` or ``shared_out[token]``); rank 0 of a
 route's cluster writes ``ids`` and ``weights``. A shared cluster runs the
@@ -14,10 +15,11 @@ last of a token's clusters to write a CTA rank's slice of columns sums it
 another). Without a shared expert the kernel has the routed-only ABI.
 
 The block scales are not powers of two, so the tensor core cannot apply them:
-each of a CTA's 16 K blocks puts the token in its own B column (UMMA N = 16,
-the other columns zero), one TMEM accumulator then holds every K block's
-unscaled partial in its own column, the UMMAs run back to back as weight
-stages land, and the epilogue scales and sums the 16 columns once.
+each of a CTA's ``blocks1`` K blocks puts the token in its own B column (UMMA
+N = 16, the other columns zero), TMEM accumulators of 16 columns
+(``sets1`` of them) then hold every K block's unscaled partial in its own
+column, the UMMAs run back to back as weight stages land, and the epilogue
+scales and sums the columns once. TMEM: ``plan.tmem_alloc`` columns a CTA.
 
 Warp roles (192 threads):
   * warp 0 lane 0, the producer: the CTA's weight stages by TMA
@@ -34,7 +36,7 @@ Every warp routes its token from the logits (cheaper than a kernel boundary).
 Barriers (arrive counts): ``full[s]`` 1 + one box's bytes; ``empty[s]`` 1 (the
 UMMA commit); ``acc1`` and ``acc2[t]`` 1 (commits); ``b_ready`` 4 (one per
 epilogue warp, after its B-tile stores and proxy fence); ``pair`` (K part 0)
-1 + 512 bytes, the other part's row sums; ``gate_recv`` (up tiles) 1 + 512
+1 + (split - 1) * 512 bytes, the other parts' row sums; ``gate_recv`` (up tiles) 1 + 512
 bytes; ``hrecv`` 1 + nk2 * (128 + 4) bytes, every hidden block and scale.
 Waits on barriers completed by peers' ``st.async`` acquire at cluster scope.
 The cluster barrier (arrive after barrier init, B2 zeroing and the TMEM
@@ -68,7 +70,6 @@ COLUMNS = mp.ARCH[ARCH].b_rows  # K blocks of a GEMM1 K part = UMMA N (one B col
 THREADS = 192  # producer warp, MMA warp, 4 epilogue warps
 EPILOGUE = 2  # first epilogue warp
 SMEM_CARVEOUT = 100  # percent of the unified L1/shared memory given to shared
-TMEM_COLUMNS = mp.ARCH[ARCH].tmem_columns
 #: UMMA instruction descriptor: E4M3 x E4M3 -> F32, M = 128 weight rows, N = 16.
 IDESC = tc.instruction_desc_e4m3(TILE, COLUMNS)
 EPILOGUE_BARRIER = 1
@@ -185,7 +186,7 @@ class MegaKernel:
         acc1 = hrecv + 8
         b_ready = acc1 + 8
         acc2 = b_ready + 8
-        pair = acc2 + 8 * tiles2  # the other K part's sums arrived (part 0)
+        pair = acc2 + 8 * tiles2  # the other K parts' sums arrived (part 0)
 
         if tid == 0:
             for s in cutlass.range_constexpr(plan.stages):
@@ -197,7 +198,9 @@ class MegaKernel:
             for t in cutlass.range_constexpr(tiles2):
                 ptx.mbarrier_init(acc2 + 8 * t, 1)
             if half == 0:
-                ptx.mbarrier_arrive_expect_tx(pair, TILE * 4)
+                if cutlass.const_expr(plan.split > 1):
+                    # The other K parts' row sums.
+                    ptx.mbarrier_arrive_expect_tx(pair, (plan.split - 1) * TILE * 4)
                 if tile < nk2:
                     ptx.mbarrier_arrive_expect_tx(gate_recv, TILE * 4)
             # Every up tile's FP8 hidden block and its scale.
@@ -206,7 +209,7 @@ class MegaKernel:
             ptx.tensormap_fence_acquire(map1)
             ptx.tensormap_fence_acquire(map2)
         if warp == 1:
-            tc.tcgen05_alloc(sm + plan.offset("tmem"), TMEM_COLUMNS)
+            tc.tcgen05_alloc(sm + plan.offset("tmem"), plan.tmem_alloc)
             tc.tcgen05_relinquish_alloc_permit()
         # GEMM2's B tiles get remote hidden rows: zero them before the cluster
         # barrier releases any sender.
@@ -255,7 +258,7 @@ class MegaKernel:
                              shared_out, final, arrivals, EPILOGUE_BARRIER)  # fmt: skip
         if warp < EPILOGUE:
             ptx.cluster_wait()
-        tc.release_tmem(tmem, TMEM_COLUMNS, warp, 1)
+        tc.release_tmem(tmem, plan.tmem_alloc, warp, 1)
 
     @cute.jit
     def produce(self, sm, map1, map2, full, empty, rank, expert):
@@ -273,15 +276,16 @@ class MegaKernel:
                 first, block = mp.gemm1_box(plan, rank, n, expert)
                 ptx.tma_load_3d(dst, map1, full + 8 * slot, 0, first, Int32(block))
             else:
-                first, block = mp.gemm2_box(plan, rank, n - plan.blocks1, expert)
+                first, block = mp.gemm2_box(plan, rank, n - plan.blocks1, expert, cutlass.min)
                 ptx.tma_load_3d(dst, map2, full + 8 * slot, 0, first, Int32(block))
 
     @cute.jit
     def issue(self, sm, tmem, full, empty, acc1, b_ready, acc2, hrecv):
         """Warp 1: the UMMAs of every stage as it lands (GEMM1 K block n into
-        accumulator column n; GEMM2 row tile t's K block kb into column
-        ``COLUMNS * (1 + t) + kb``), each stage committed to its empty barrier,
-        the accumulators to ``acc1`` / ``acc2[t]``."""
+        column n % COLUMNS of accumulator n // COLUMNS; GEMM2 row tile t's K
+        block kb into column ``COLUMNS * (sets1 + t) + kb``), each stage
+        committed to its empty barrier, the accumulators to ``acc1`` /
+        ``acc2[t]``."""
         plan = self.plan
         nk2, stages = plan.nk2, plan.stages
         adesc = tc.smem_desc_sw128(sm)
@@ -292,8 +296,8 @@ class MegaKernel:
             slot = n % stages
             tc.wait_tmem(full + 8 * slot, (n // stages) % 2)
             self.umma_block(
-                tmem, adesc + slot * (STAGE_BYTES >> 4), b1desc + n * (plan.b_bytes >> 4),
-                n > 0, empty + 8 * slot,
+                tmem + COLUMNS * (n // COLUMNS), adesc + slot * (STAGE_BYTES >> 4),
+                b1desc + n * (plan.b_bytes >> 4), n % COLUMNS > 0, empty + 8 * slot,
             )  # fmt: skip
             cute.arch.sync_warp()
         tc.commit_elected(acc1)
@@ -305,7 +309,7 @@ class MegaKernel:
             kb = m % nk2
             tc.wait_tmem(full + 8 * slot, (n // stages) % 2)
             self.umma_block(
-                tmem + COLUMNS * (1 + m // nk2), adesc + slot * (STAGE_BYTES >> 4),
+                tmem + COLUMNS * (plan.sets1 + m // nk2), adesc + slot * (STAGE_BYTES >> 4),
                 b2desc + kb * (plan.b_bytes >> 4), kb > 0, empty + 8 * slot,
             )  # fmt: skip
             cute.arch.sync_warp()
@@ -327,67 +331,116 @@ class MegaKernel:
         row = quadrant * 32 + lane
         tl = tmem + (Int32(quadrant * 32) << 16)
 
-        # K block kb of the token's K part, FP8 per 128, as row (B column) kb
-        # of B tile kb, the rest zero. Thread e quantizes 16 values.
-        kb = e // 8
+        # K block kb of the token's K part, FP8 per 128, as row (B column)
+        # kb % COLUMNS of B tile kb, the rest zero. Thread e quantizes 16
+        # values of K blocks e // 8 + 16 j; past the part's last block (blocks1
+        # not a multiple of 16) the 8 lanes of a block quantize the last one
+        # again (the amax is a shuffle of all 8) and keep nothing.
+        passes = -(-blocks1 // 16)
         chunk = e % 8
-        words, x_scale = mgc.quantize_chunk(x + Int64(token) * (plan.hidden * 2), first + kb,
-                                            chunk, self.ue8m0)  # fmt: skip
-        if chunk == 0:
-            ptx.st_shared_f32(sm + plan.offset("xscale") + kb * 4, x_scale)
+        x_row = x + Int64(token) * (plan.hidden * 2)
+        codes = cute.make_rmem_tensor(cute.make_layout((4 * passes,)), cutlass.Uint32)
+        for j in cutlass.range_constexpr(passes):
+            kb = e // 8 + 16 * j
+            if cutlass.const_expr(blocks1 % 16 == 0):
+                words, x_scale = mgc.quantize_chunk(x_row, first + kb, chunk, self.ue8m0)
+            else:
+                words, x_scale = mgc.quantize_chunk(x_row, first + cutlass.min(kb, blocks1 - 1),
+                                                    chunk, self.ue8m0)  # fmt: skip
+            for w in cutlass.range_constexpr(4):
+                codes[4 * j + w] = words[w]
+            if chunk == 0:
+                if cutlass.const_expr(blocks1 % 16 == 0):
+                    ptx.st_shared_f32(sm + plan.offset("xscale") + kb * 4, x_scale)
+                else:
+                    if kb < blocks1:
+                        ptx.st_shared_f32(sm + plan.offset("xscale") + kb * 4, x_scale)
         b1 = sm + plan.offset("b1")
         mgc.zero_b_tiles(plan, b1, blocks1, e, mgc.GROUP_THREADS, False)
         ptx.bar_sync(EPILOGUE_BARRIER, mgc.GROUP_THREADS)
-        mgc.store_b_chunk(plan, b1, kb, kb, chunk, words)
+        for j in cutlass.range_constexpr(passes):
+            kb = e // 8 + 16 * j
+            words = [codes[4 * j + w] for w in range(4)]
+            if cutlass.const_expr(blocks1 % 16 == 0):
+                mgc.store_b_chunk(plan, b1, kb, kb % COLUMNS, chunk, words)
+            else:
+                if kb < blocks1:
+                    mgc.store_b_chunk(plan, b1, kb, kb % COLUMNS, chunk, words)
         ptx.fence_proxy_async_shared()
         cute.arch.sync_warp()
         if lane == 0:
             ptx.mbarrier_arrive(b_ready)
 
-        # GEMM1: scale and sum the 16 K-block columns.
+        # GEMM1: scale and sum the K-block columns (accumulator s holds K
+        # blocks 16 s .. 16 s + 15 of the part).
         w_scale = w13_scale + ((Int64(expert) * plan.tiles1 + tile) * plan.nk1 + first) * 4
-        scales = cute.make_rmem_tensor(cute.make_layout((COLUMNS,)), Float32)
-        for n in cutlass.range_constexpr(COLUMNS):
-            scales[n] = ptx.ld_global_nc_f32(w_scale + n * 4) * ptx.ld_shared_f32(
-                sm + plan.offset("xscale") + n * 4
-            )
-        tc.wait_tmem(acc1, 0)
-        sums = tc.load_tmem(tl, COLUMNS)
         acc = Float32(0.0)
-        for n in cutlass.range_constexpr(COLUMNS):
-            acc = acc + sums[n] * scales[n]
+        for s in cutlass.range_constexpr(plan.sets1):
+            cols = min(COLUMNS, blocks1 - COLUMNS * s)
+            scales = cute.make_rmem_tensor(cute.make_layout((cols,)), Float32)
+            for c in cutlass.range_constexpr(cols):
+                n = COLUMNS * s + c
+                scales[c] = ptx.ld_global_nc_f32(w_scale + n * 4) * ptx.ld_shared_f32(
+                    sm + plan.offset("xscale") + n * 4
+                )
+            if cutlass.const_expr(s == 0):
+                tc.wait_tmem(acc1, 0)
+            sums = tc.load_tmem(tl + COLUMNS * s, COLUMNS)
+            for c in cutlass.range_constexpr(cols):
+                acc = acc + sums[c] * scales[c]
         local = mc.logical_row(rows1, tile * TILE + row) - tile * TILE
 
         ptx.cluster_wait()
-        if half == 1:
-            mgc.send_word(sm + plan.offset("partial") + row * 4, ptx.float_bits(acc), pair,
-                          rank - 1)  # fmt: skip
+        if cutlass.const_expr(plan.split == 1):
+            self.gate_or_up(sm, acc, local, e, lane, tile, gate_recv, hrecv)
         else:
-            ptx.mbarrier_wait_cluster(pair, 0)
-            acc = acc + ptx.ld_shared_f32(sm + plan.offset("partial") + row * 4)
-            if tile >= nk2:
-                # Gate tile: hand the gate values to the matching up tile.
-                mgc.send_word(sm + plan.offset("gate") + local * 4, ptx.float_bits(acc),
-                              gate_recv, plan.split * (tile - nk2))  # fmt: skip
+            if half > 0:
+                # K part ``half`` hands its row sums to part 0 of its row tile.
+                mgc.send_word(sm + plan.offset("partial") + ((half - 1) * TILE + row) * 4,
+                              ptx.float_bits(acc), pair, rank - half)  # fmt: skip
             else:
-                ptx.mbarrier_wait_cluster(gate_recv, 0)
-                mgc.hidden_block(plan, sm, acc, local, e, lane, tile, hrecv, EPILOGUE_BARRIER,
-                                 self.limit)  # fmt: skip
+                ptx.mbarrier_wait_cluster(pair, 0)
+                for q in cutlass.range_constexpr(plan.split - 1):
+                    acc = acc + ptx.ld_shared_f32(
+                        sm + plan.offset("partial") + (q * TILE + row) * 4
+                    )
+                self.gate_or_up(sm, acc, local, e, lane, tile, gate_recv, hrecv)
 
         # GEMM2: this CTA's rows, hidden blocks in B columns 0..nk2-1.
         ptx.mbarrier_wait_cluster(hrecv, 0)
         h_scales = cute.make_rmem_tensor(cute.make_layout((nk2,)), Float32)
         for kb2 in cutlass.range_constexpr(nk2):
             h_scales[kb2] = ptx.ld_shared_f32(sm + plan.offset("hscale") + kb2 * 4)
+        # TMEM loads come in powers of two: the columns past nk2 hold zeros.
+        width = 1 << (nk2 - 1).bit_length()
         for t in cutlass.range_constexpr(plan.tiles2):
-            first_row = rank * plan.rows2 + t * TILE
-            w2 = w2_scale + ((Int64(expert) * (plan.hidden // TILE) + first_row // TILE) * nk2) * 4
+            first_row = mp.gemm2_tile(plan, rank, t, cutlass.min) * TILE
+            w2 = w2_scale + ((Int64(expert) * plan.tiles_out + first_row // TILE) * nk2) * 4
             tc.wait_tmem(acc2 + 8 * t, 0)
-            parts = tc.load_tmem(tl + COLUMNS * (1 + t), nk2)
+            parts = tc.load_tmem(tl + COLUMNS * (plan.sets1 + t), width)
             value = Float32(0.0)
             for kb2 in cutlass.range_constexpr(nk2):
                 value = value + parts[kb2] * (ptx.ld_global_nc_f32(w2 + kb2 * 4) * h_scales[kb2])
-            mgc.store_output(out_row, mc.logical_row(rows2, first_row + row), value)
+            if cutlass.const_expr(plan.even2):
+                mgc.store_output(out_row, mc.logical_row(rows2, first_row + row), value)
+            else:
+                if mp.stores_tile(plan, rank, t):
+                    mgc.store_output(out_row, mc.logical_row(rows2, first_row + row), value)
+
+    @cute.jit
+    def gate_or_up(self, sm, acc, local, e, lane, tile, gate_recv, hrecv):
+        """Part 0 of row tile ``tile`` with its whole sums ``acc``: a gate
+        tile hands them to its up tile; an up tile waits for the gate values
+        and builds the hidden block (``mega_common.hidden_block``)."""
+        plan, nk2 = self.plan, self.plan.nk2
+        if tile >= nk2:
+            # Gate tile: hand the gate values to the matching up tile.
+            mgc.send_word(sm + plan.offset("gate") + local * 4, ptx.float_bits(acc), gate_recv,
+                          plan.split * (tile - nk2))  # fmt: skip
+        else:
+            ptx.mbarrier_wait_cluster(gate_recv, 0)
+            mgc.hidden_block(plan, sm, acc, local, e, lane, tile, hrecv, EPILOGUE_BARRIER,
+                             self.limit)  # fmt: skip
 
     @cute.jit
     def umma_block(self, d, a, b, accumulate, empty):
@@ -419,7 +472,7 @@ def compile_kernel(spec: KernelSpec) -> CompiledKernel:
     notes = mgc.notes(
         plan, THREADS,
         non_portable_cluster=plan.cluster > 8,  # needs NON_PORTABLE_CLUSTER_SIZE_ALLOWED
-        preferred_smem_carveout=SMEM_CARVEOUT, tmem_columns=TMEM_COLUMNS, idesc=f"{IDESC:#010x}",
+        preferred_smem_carveout=SMEM_CARVEOUT, tmem_columns=plan.tmem_alloc, idesc=f"{IDESC:#010x}",
     )  # fmt: skip
     return CompiledKernel(
         cubin=cubin, entry=name, params=tuple(Param(p, "pointer") for p in params),

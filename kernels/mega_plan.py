@@ -25,7 +25,10 @@ A CTA streams ``loads`` = blocks1 + tiles2 * I/128 weight stages (one 128 x
 
 Per architecture (``ARCH``): sm_90a runs 2I/128 CTAs a cluster, each over
 the whole K (warpgroup MMA, B tiles of 8 token rows: ``wgmma m64n8k32``);
-sm_100a runs the 16-CTA split of its UMMA N = 16 (8 row tiles x 2 K parts).
+sm_100a splits each row tile's K into ``split`` parts (``mega_split``: the
+most, up to 8, that keep the cluster within 16 CTAs and divide H/128), each
+part's K blocks the columns of UMMA N = 16 accumulators in TMEM (GLM-5: 8
+row tiles x 2 K parts of 16 K blocks).
 The ring depth and CTAs per SM depend on the token bucket: every cluster of
 a call must be resident at once, and with fewer CTAs per SM each needs more
 bytes in flight (sm_90a, measured on the H200 with the cluster occupancy the
@@ -60,23 +63,20 @@ MAX_TOP_K = 32  # lane k of the routing warp holds route k
 
 @dataclass(frozen=True)
 class MegaArch:
-    """What one architecture's mega kernel fixes: ``split`` CTAs per GEMM1
-    row tile (K parts), ``b_rows`` token rows of a B tile (the MMA's N),
-    ``cluster`` CTAs a cluster (None: one per GEMM1 row tile), per token
-    bucket ``stages`` = (ring depth, CTAs per SM) and the cluster ``order``,
-    and the accumulator limits of its MMA."""
+    """What one architecture's mega kernel fixes: at most ``max_split`` CTAs
+    per GEMM1 row tile (K parts, ``mega_split``), ``b_rows`` token rows of a
+    B tile (the MMA's N), per token bucket ``stages`` = (ring depth, CTAs per
+    SM) and the cluster ``order``, and the accumulator limits of its MMA."""
 
     arch: str
-    split: int
+    max_split: int
     b_rows: int
-    cluster: int | None
     stages: dict[int, tuple[int, int]]
     order: dict[int, str]
-    #: sm_90a: GEMM1 K blocks per accumulator column set, and the range of
-    #: K blocks (a multiple of ``sets_of``) its registers hold.
-    sets_of: int = 0
-    k_blocks: tuple[int, int] = (0, 0)
-    #: sm_100a: TMEM columns (GEMM1's ``b_rows`` plus ``b_rows`` per GEMM2 row tile).
+    #: The range of GEMM1 K blocks (hidden / 128) the kernel holds.
+    k_blocks: tuple[int, int] = (8, 64)
+    #: sm_100a: TMEM columns an SM holds (``tmem_alloc`` shares them among
+    #: the CTAs of an SM).
     tmem_columns: int = 0
     #: Whether GEMM2 may split the output row tiles unevenly over the
     #: cluster (``gemm2_tile``); else hidden must divide by cluster * 128.
@@ -87,19 +87,34 @@ class MegaArch:
 
 ARCH = {
     "sm_90a": MegaArch(
-        arch="sm_90a", split=1, b_rows=8, cluster=None,
+        arch="sm_90a", max_split=1, b_rows=8,
         stages={1: (10, 1), 2: (6, 2), 3: (6, 2), 4: (3, 3)},
         order={1: "shared_last_reversed", 2: "shared_first", 3: "shared_first",
                4: "shared_last_reversed"},
-        sets_of=8, k_blocks=(8, 64), uneven_gemm2=True,
+        k_blocks=(8, 64), uneven_gemm2=True,
     ),
     "sm_100a": MegaArch(
-        arch="sm_100a", split=2, b_rows=16, cluster=16,
+        arch="sm_100a", max_split=8, b_rows=16,
         stages={m: (4, 2) for m in range(1, MEGA_TOKENS + 1)},
         order={m: "shared_last" for m in range(1, MEGA_TOKENS + 1)},
-        tmem_columns=64,
+        tmem_columns=512, uneven_gemm2=True,
     ),
 }  # fmt: skip
+
+
+def mega_split(arch: str, hidden: int, inter: int) -> int:
+    """K parts of a GEMM1 row tile: the most (a power of two up to the
+    arch's ``max_split``) that keep the cluster (row tiles x parts) within
+    ``max_cluster`` CTAs and divide the K blocks; more CTAs a route stream
+    its weights in parallel."""
+    cfg = ARCH[arch]
+    tiles1, nk1 = 2 * inter // TILE, hidden // TILE
+    split = 1
+    while (split * 2 <= cfg.max_split and tiles1 * split * 2 <= cfg.max_cluster
+           and nk1 % (split * 2) == 0):  # fmt: skip
+        split *= 2
+    return split
+
 
 #: sm_90a GEMM1 B operand: 8 rotating tiles (tile b only ever holds a token
 #: K block in row b, so a refill needs no zeroing), refilled 4 K blocks at a time.
@@ -141,8 +156,8 @@ class MegaPlan:
         return 2 * self.inter // TILE
 
     @property
-    def split(self) -> int:
-        return self.config.split
+    def split(self) -> int:  # K parts of a GEMM1 row tile (CTAs per row tile)
+        return mega_split(self.arch, self.hidden, self.inter)
 
     @property
     def cluster(self) -> int:
@@ -151,6 +166,18 @@ class MegaPlan:
     @property
     def blocks1(self) -> int:  # GEMM1 K blocks of one CTA (its K part)
         return self.nk1 // self.split
+
+    @property
+    def sets1(self) -> int:  # sm_100a: GEMM1 accumulators of b_rows columns (K blocks)
+        return -(-self.blocks1 // self.config.b_rows)
+
+    @property
+    def tmem_alloc(self) -> int:
+        """sm_100a: TMEM columns a CTA allocates, a power of two >= 32 holding
+        GEMM1's ``sets1`` and GEMM2's ``tiles2`` accumulators of ``b_rows``
+        columns each."""
+        need = self.config.b_rows * (self.sets1 + self.tiles2)
+        return max(32, 1 << (need - 1).bit_length())
 
     @property
     def tiles_out(self) -> int:  # GEMM2 output row tiles (hidden / 128)
@@ -249,7 +276,7 @@ class MegaPlan:
         r.take("b1", self.b1_tiles * self.b_bytes, 1024)
         r.take("b2", self.nk2 * self.b_bytes, 1024)
         if self.split > 1:
-            r.take("partial", TILE * 4)  # the other K part's row sums
+            r.take("partial", (self.split - 1) * TILE * 4)  # the other K parts' row sums
         r.take("gate", TILE * 4)  # gate values in logical row order
         r.take("stage", TILE)  # this up tile's FP8 hidden block
         r.take("amax", 16)  # per-warp amax of the hidden block
@@ -282,37 +309,28 @@ def problems(arch: str, hidden: int, inter: int, experts: int, top_k: int, token
         reasons.append(f"hidden {hidden}, inter {inter}: must be positive multiples of {TILE}")
         return reasons
     tiles1, nk1, nk2 = 2 * inter // TILE, hidden // TILE, inter // TILE
-    cluster = tiles1 * cfg.split
-    if cfg.cluster is None and not 2 <= tiles1 <= cfg.max_cluster:
+    cluster = tiles1 * mega_split(arch, hidden, inter)
+    if not 2 <= cluster <= cfg.max_cluster:
         reasons.append(f"inter {inter}: the {arch} mega kernel runs one CTA per GEMM1 row tile "
-                       f"in a cluster of at most {cfg.max_cluster}: inter at most "
+                       f"(and K part) in a cluster of at most {cfg.max_cluster}: inter at most "
                        f"{cfg.max_cluster * TILE // 2}")  # fmt: skip
-    if cfg.cluster is not None and cluster != cfg.cluster:
-        reasons.append(f"inter {inter}: the {arch} mega kernel's cluster is {cfg.split} K parts "
-                       f"x 2*inter/128 row tiles = {cfg.cluster} CTAs (inter "
-                       f"{cfg.cluster // cfg.split * TILE // 2})")  # fmt: skip
     if not cfg.uneven_gemm2 and hidden % (cluster * TILE):
         reasons.append(f"hidden {hidden}: GEMM2 splits hidden over {cluster} CTAs in 128-row "
                        f"tiles: hidden must be a multiple of {cluster * TILE}")  # fmt: skip
-    if cfg.sets_of:
-        low, high = cfg.k_blocks
-        if not low <= nk1 <= high:
-            reasons.append(f"hidden {hidden}: the {arch} mega kernel holds hidden/128 K blocks "
-                           f"in {low}..{high} (hidden {low * TILE}..{high * TILE})")  # fmt: skip
-        if nk2 > cfg.b_rows:
-            reasons.append(f"inter {inter}: inter/128 hidden blocks are columns of an "
-                           f"N={cfg.b_rows} tile (at most {cfg.b_rows})")  # fmt: skip
-    if cfg.tmem_columns:
-        if nk1 % cfg.split or nk1 // cfg.split != cfg.b_rows:
-            reasons.append(f"hidden {hidden}: each K part's hidden/128/{cfg.split} K blocks are "
-                           f"the {cfg.b_rows} columns of one UMMA (hidden "
-                           f"{cfg.b_rows * cfg.split * TILE})")  # fmt: skip
-        tiles2 = hidden // max(cluster, 1) // TILE
-        if cfg.b_rows * (1 + tiles2) > cfg.tmem_columns:
-            reasons.append(f"{tiles2} GEMM2 row tiles need more than {cfg.tmem_columns} TMEM "
-                           "columns")  # fmt: skip
-        if nk2 > cfg.b_rows:
-            reasons.append(f"inter {inter}: at most {cfg.b_rows} hidden blocks per UMMA")
+    low, high = cfg.k_blocks
+    if not low <= nk1 <= high:
+        reasons.append(f"hidden {hidden}: the {arch} mega kernel holds hidden/128 K blocks "
+                       f"in {low}..{high} (hidden {low * TILE}..{high * TILE})")  # fmt: skip
+    if nk2 > cfg.b_rows:
+        reasons.append(f"inter {inter}: inter/128 hidden blocks are columns of an "
+                       f"N={cfg.b_rows} tile (at most {cfg.b_rows})")  # fmt: skip
+    if cfg.tmem_columns and not reasons:
+        plan = MegaPlan(arch, hidden, inter, experts, top_k, tokens, shared_experts)
+        budget = cfg.tmem_columns // plan.ctas_per_sm
+        if plan.tmem_alloc > budget:
+            reasons.append(f"{plan.sets1} GEMM1 and {plan.tiles2} GEMM2 accumulators of "
+                           f"{cfg.b_rows} TMEM columns exceed the {budget} columns of one of "
+                           f"{plan.ctas_per_sm} CTAs per SM")  # fmt: skip
     if not reasons:
         plan = MegaPlan(arch, hidden, inter, experts, top_k, tokens, shared_experts)
         if plan.smem > SMEM_LIMIT[arch]:

@@ -103,8 +103,8 @@ BAD = [
     ),
     (("targets",), [], "targets", "at least one"),
     (("name",), "glm 5", "name", "letters"),
-    # A shape the mega kernel's 16-CTA cluster cannot serve.
-    (("model", "inter"), 256, "kernels.mega", "cannot serve"),
+    # A shape no mega cluster (at most 16 CTAs) can serve.
+    (("model", "inter"), 1152, "kernels.mega", "cannot serve"),
     (("model", "shared_experts"), 2, "model.shared_experts", "must be 0 or 1"),
     # Routing and SwiGLU values.
     (("model", "swiglu_limit"), "10", "model.swiglu_limit", "must be float or null"),
@@ -312,18 +312,19 @@ MODELS = {
 #: (what its routing sentence names, the archs whose shape rules refuse it,
 #: whether it refuses the shared-expert count). Empty: it builds.
 BOTH = ("sm_90a", "sm_100a")
-SM100 = ("sm_100a",)
 #: The kernels each config asks for; TODAY lists what of it is refused.
-ASKS = {"glm5.yaml": {"mega", "grouped"}, "glm5-tp8.yaml": {"grouped"},
-        "kimi-k2-tp8.yaml": {"grouped"}}  # fmt: skip
+ASKS = {"glm5.yaml": {"mega", "grouped"}, "glm5-tp8.yaml": {"mega", "grouped"},
+        "kimi-k2-tp8.yaml": {"mega", "grouped"}, "deepseek-v3-tp8.yaml": {"mega", "grouped"},
+        "glm4.5-tp4.yaml": {"mega", "grouped"}, "qwen3-235b-a22b-tp4.yaml": {"mega", "grouped"},
+        "qwen3-30b-a3b-tp1.yaml": {"mega", "grouped"}}  # fmt: skip
 TODAY = {
     "glm5.yaml": {},
     "glm5-tp8.yaml": {},
-    "deepseek-v3-tp8.yaml": {"mega": ((), SM100, False), "grouped": ((), (), False)},
+    "deepseek-v3-tp8.yaml": {},
     "kimi-k2-tp8.yaml": {},
-    "glm4.5-tp4.yaml": {"mega": ((), SM100, False), "grouped": ((), (), False)},
-    "qwen3-235b-a22b-tp4.yaml": {"mega": ((), SM100, False), "grouped": ((), (), False)},
-    "qwen3-30b-a3b-tp1.yaml": {"mega": ((), SM100, False), "grouped": ((), (), False)},
+    "glm4.5-tp4.yaml": {},
+    "qwen3-235b-a22b-tp4.yaml": {},
+    "qwen3-30b-a3b-tp1.yaml": {},
 }  # fmt: skip
 
 

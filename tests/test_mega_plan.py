@@ -29,7 +29,11 @@ SHAPES = {
                {**GLM5, "hidden": 2048, "inter": 768, "experts": 128},
                {**GLM5, "hidden": 7168, "inter": 256, "experts": 256},
                {**GLM5, "hidden": 1152, "inter": 384, "experts": 64}],
-    "sm_100a": [GLM5],
+    "sm_100a": [GLM5, {**GLM5, "hidden": 5120, "inter": 384, "experts": 160},
+                {**GLM5, "hidden": 2048, "inter": 768, "experts": 128},
+                {**GLM5, "hidden": 7168, "inter": 256, "experts": 256},
+                {**GLM5, "hidden": 1152, "inter": 128, "experts": 64},
+                {**GLM5, "hidden": 8192, "inter": 1024, "top_k": 4}],
 }  # fmt: skip
 
 
@@ -179,8 +183,9 @@ def test_dsmem_bytes_match_the_expected_transactions():
         ("sm_90a", {"experts": 100}, "multiple of 32"),
         ("sm_90a", {"top_k": 33}, "one route per lane"),
         ("sm_90a", {"inter": 1000}, "multiples of 128"),
-        ("sm_100a", {"inter": 1024}, "16 CTAs"),
-        ("sm_100a", {"hidden": 2048}, "columns of one UMMA"),
+        ("sm_100a", {"inter": 1152}, "cluster of at most 16"),
+        ("sm_100a", {"hidden": 8320}, "hidden/128 K blocks in 8..64"),
+        ("sm_100a", {"hidden": 8064, "inter": 128}, "TMEM columns"),
         ("sm_100a", {"experts": 2048}, "at most 1024"),
     ],
 )

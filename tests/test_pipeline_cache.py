@@ -32,6 +32,11 @@ CHANGED = {
     "finalize": True,
     "sms": 148,
     "shared_experts": 0,
+    "score": "softmax",
+    "bias": False,
+    "groups": 8,
+    "groups_kept": 4,
+    "renormalize": False,
 }
 SOURCES = {"kernels/mega_moe_sm90.py": "0" * 64, "kernels/spec.py": "1" * 64}
 TOOLS = {"dsl": {"nvidia-cutlass-dsl": "4.8.1"}, "compiler": {}, "python": "3.11", "env": {}}
