@@ -83,6 +83,18 @@ def primary_context(ordinal: int):
     return check(cu.cuDevicePrimaryCtxRetain(device(ordinal)), "cuDevicePrimaryCtxRetain")
 
 
+@functools.cache
+def _primary_handle(ordinal: int) -> int:
+    return int(primary_context(ordinal))
+
+
+def context_is_current(ordinal: int) -> bool:
+    """Whether the device's primary context is this thread's current context
+    (one ``cuCtxGetCurrent``; ``context`` costs a push and a pop)."""
+    current = check(cu.cuCtxGetCurrent(), "cuCtxGetCurrent")
+    return int(current) == _primary_handle(ordinal)
+
+
 @contextlib.contextmanager
 def context(ordinal: int):
     """The device's primary context pushed for the duration of the block."""

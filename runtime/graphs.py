@@ -23,6 +23,12 @@ destroyed graph's layer stays allocated.
 (``holding``), so neither deleting objects nor closing can free what a live
 graph launches. A capture that is aborted destroys its graph, which releases
 its holds the same way.
+
+Which launches ask: the driver's capture query (``cuStreamGetCaptureInfo``,
+several microseconds through cuda.bindings) decides whether and into which
+graph a launch is captured. A layer asks it unless ``capture_possible`` rules
+a capture out with torch's cheaper query; that function's docstring is the
+argument that it never rules out a capture that is underway.
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ from __future__ import annotations
 import ctypes
 import itertools
 import threading
+
+import torch
 
 from runtime import driver
 
@@ -68,6 +76,31 @@ def hold(stream: int, owner) -> bool:
     return True
 
 
+def capture_possible(ordinal: int) -> bool:
+    """Whether torch's current stream of CUDA device ``ordinal`` may be
+    being captured; False only when it provably is not, so a caller that
+    launches on that stream may then skip ``hold``.
+
+    Why False is safe: ``torch.cuda.is_current_stream_capturing()`` is the
+    CUDA runtime's ``cudaStreamIsCapturing`` on torch's current stream of
+    torch's current device (it answers False without asking only when that
+    device has no primary context). It asks the driver's state of the
+    stream, not torch's bookkeeping, so it sees every capture of it:
+    ``torch.cuda.graph``, or one begun by any other code through the runtime
+    or the driver API, in any capture mode, and a stream joined into another
+    stream's capture. When torch's current device is ``ordinal``, its current
+    stream is the stream a layer bound there launches on (torch's current
+    stream of the layer's device), and that device has a primary context
+    (the layer's weights live in it), so False proves no capture of that
+    stream. When another device is current, torch's answer concerns another
+    stream: True, the driver decides. True also covers a capture torch sees
+    invalidated; ``hold`` then holds nothing (only an active capture has a
+    graph)."""
+    if torch.cuda.current_device() != ordinal:
+        return True
+    return torch.cuda.is_current_stream_capturing()
+
+
 def release() -> int:
     """Drops the references of graphs that were destroyed; returns how many.
     Runs at every launch: with nothing released it returns at once."""
@@ -89,4 +122,4 @@ def holding(predicate) -> int:
     return sum(1 for owner in owners if predicate(owner))
 
 
-__all__ = ["hold", "holding", "release"]
+__all__ = ["capture_possible", "hold", "holding", "release"]

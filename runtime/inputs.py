@@ -40,11 +40,70 @@ def check_tensor(name: str, t, dtype, shape, device: torch.device) -> None:
         )
 
 
+#: logits_dtypes tuples a call was accepted with -> their torch dtypes.
+_ACCEPTED: dict[tuple, tuple] = {}
+
+
 def check_call(x, logits, bias, shape: MoEShape, device: torch.device,
                logits_dtypes, max_tokens: int | None = MAX_TOKENS) -> int:  # fmt: skip
     """Validates one call; returns M. ``logits_dtypes``: names the bound
     variants accept (``float32``/``bfloat16``); ``max_tokens`` None: no upper
-    bound on M (a chunked call)."""
+    bound on M (a chunked call).
+
+    A call that passes every check returns from ``_passes``, which compares
+    against the expected values and builds no message; anything else (and
+    the first call with a given ``logits_dtypes``) runs ``_check_call``, the
+    checks in their order, which raises the first failure's message."""
+    accepted = _ACCEPTED.get(logits_dtypes) if type(logits_dtypes) is tuple else None
+    if accepted is not None:
+        m = _passes(x, logits, bias, shape, device, accepted, max_tokens)
+        if m is not None:
+            return m
+    m = _check_call(x, logits, bias, shape, device, logits_dtypes, max_tokens)
+    if type(logits_dtypes) is tuple:
+        _ACCEPTED[logits_dtypes] = tuple(LOGITS[d] for d in logits_dtypes)
+    return m
+
+
+def _passes(x, logits, bias, shape: MoEShape, device: torch.device, accepted: tuple,
+            max_tokens: int | None) -> int | None:  # fmt: skip
+    """M when the call passes every check of ``_check_call`` (``accepted``:
+    the logits dtypes), else None: it accepts no call that ``_check_call``
+    refuses, and a call it does not accept goes to ``_check_call``."""
+    if not (isinstance(x, torch.Tensor) and isinstance(logits, torch.Tensor)):
+        return None
+    if not shape.bias:
+        if bias is not None:
+            return None
+        bias = x  # the checks below then hold for bias whenever they hold for x
+    elif not isinstance(bias, torch.Tensor):
+        return None
+    rows = x.shape
+    if len(rows) != 2:
+        return None
+    m = rows[0]
+    if m < 1 or (max_tokens is not None and m > max_tokens):
+        return None
+    if (
+        x.dtype != torch.bfloat16
+        or logits.dtype not in accepted
+        or (bias is not x and bias.dtype != torch.float32)
+        or rows[1] != shape.hidden
+        or logits.shape != (m, shape.experts)
+        or (bias is not x and bias.shape != (shape.experts,))
+        or x.device != device
+        or logits.device != device
+        or bias.device != device
+        or not (x.is_contiguous() and logits.is_contiguous() and bias.is_contiguous())
+        or (x.data_ptr() | logits.data_ptr() | bias.data_ptr()) % ALIGN
+    ):
+        return None
+    return m
+
+
+def _check_call(x, logits, bias, shape: MoEShape, device: torch.device,
+                logits_dtypes, max_tokens: int | None) -> int:  # fmt: skip
+    """``check_call``'s checks in order, each failure with its message."""
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
         found = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
         raise InputError(f"x: expected a [M, {shape.hidden}] tensor, found {found}")
@@ -58,8 +117,22 @@ def check_call(x, logits, bias, shape: MoEShape, device: torch.device,
     if not accepted:
         raise InputError("logits: no bound variant serves this call")
     check_tensor("logits", logits, accepted, (m, shape.experts), device)
-    check_tensor("bias", bias, torch.float32, (shape.experts,), device)
+    check_bias(bias, shape, device)
     return m
+
+
+def check_bias(bias, shape: MoEShape, device: torch.device, check=check_tensor) -> None:
+    """``bias``: FP32 [E] on ``device`` for a model that routes with a
+    score-correction bias; None for one without (the kernels were compiled
+    not to read it, and a tensor there would be silently unused)."""
+    if shape.bias:
+        if bias is None:
+            raise InputError(f"bias: this model routes with a score-correction bias: pass the "
+                             f"FP32 [{shape.experts}] tensor, found None")  # fmt: skip
+        check("bias", bias, torch.float32, (shape.experts,), device)
+    elif bias is not None:
+        raise InputError("bias: this model routes without a score-correction bias "
+                         "(model.bias false): pass None")  # fmt: skip
 
 
 def expert_shapes(experts: int, hidden: int, inter: int) -> dict:

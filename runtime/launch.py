@@ -18,9 +18,13 @@ hold part of the SMs and wait forever for the rest.
 A launch is ``cuLaunchKernelEx`` with the recorded grid, block, cluster and
 dynamic shared memory, programmatic stream serialization = the record's
 ``pdl``, and ``kernelParams`` = an array of pointers to each parameter's value
-(the driver copies each parameter's declared size: 8 bytes for pointers, 4 for
-i32). Nothing is allocated per launch, so a launch is safe under CUDA graph
-capture (the graph node keeps copies of the values).
+(``Parameters``; the driver copies each parameter's declared size, 8 bytes for
+pointers and 4 for i32, when the call is made). Nothing is allocated per
+launch, so a launch is safe under CUDA graph capture (the graph node keeps
+copies of the values), and a parameter block may be rewritten as soon as the
+launch returns: a caller may keep one block per (variant, stream) filled with
+what does not change between calls and rewrite only the rest
+(``runtime.moe.CallPlan``).
 """
 
 from __future__ import annotations
@@ -38,16 +42,45 @@ from runtime.errors import DeviceRefused
 PORTABLE_CLUSTER = 8
 
 
-class Launcher:
-    """``launcher(stream, values)`` launches the variant; ``values``: one int per
-    parameter in ABI order (device addresses for pointers, i32 scalars)."""
+class Parameters:
+    """One launch's parameter block: ``values`` holds one 8-byte slot per
+    kernel parameter in ABI order (a pointer's device address; an i32 in the
+    slot's low 4 bytes, little-endian), ``address`` is the ``void*[]`` of the
+    slots' addresses that ``cuLaunchKernelEx`` reads. Both live as long as
+    this object; ``slot(i, value)`` and ``fill`` write values."""
 
-    def __init__(self, variant: Variant, library, ordinal: int, persistent: bool):
+    def __init__(self, kinds):
         if sys.byteorder != "little":
             raise DeviceRefused("the launcher stores i32 parameters little-endian")
+        self.kinds = tuple(kinds)
+        n = len(self.kinds)
+        self.values = (ctypes.c_uint64 * max(n, 1))()
+        base = ctypes.addressof(self.values)
+        self._pointers = (ctypes.c_void_p * max(n, 1))(*(base + 8 * i for i in range(n)))
+        self.address = ctypes.addressof(self._pointers)
+
+    def slot(self, i: int, value: int) -> None:
+        """Parameter ``i`` = ``value`` (an i32 keeps its low 32 bits)."""
+        self.values[i] = value & 0xFFFFFFFF if self.kinds[i] == "i32" else value
+
+    def fill(self, values) -> None:
+        """Parameters 0, 1, ... = ``values`` (ints, ABI order)."""
+        for i, value in enumerate(values):
+            self.slot(i, value)
+
+
+class Launcher:
+    """``launcher(stream, values)`` launches the variant; ``values``: one int per
+    parameter in ABI order (device addresses for pointers, i32 scalars).
+    ``launcher.launch(stream, parameters)`` launches with a block the caller
+    filled. One launch at a time per launcher (a lock): the launch
+    configuration's stream field is shared by all its callers."""
+
+    def __init__(self, variant: Variant, library, ordinal: int, persistent: bool):
         self.variant, self.ordinal = variant, ordinal
         self.names = tuple(name for name, _ in variant.params)
         self.kinds = tuple(kind for _, kind in variant.params)
+        self._parameters = Parameters(self.kinds)  # refuses a big-endian host first
         launch = variant.launch
         kernel = driver.library_kernel(library, variant.entry)
         self.function = driver.kernel_function(kernel, ordinal)
@@ -62,12 +95,6 @@ class Launcher:
             cooperative=persistent,
         )  # fmt: skip
         self.residency = self._check_residency(launch, persistent)
-        n = len(self.names)
-        # One 8-byte slot per parameter; an i32 reads the slot's low 4 bytes.
-        self._values = (ctypes.c_uint64 * max(n, 1))()
-        base = ctypes.addressof(self._values)
-        self._pointers = (ctypes.c_void_p * max(n, 1))(*(base + 8 * i for i in range(n)))
-        self._address = ctypes.addressof(self._pointers)
         self._lock = threading.Lock()
 
     def _configure(self, launch) -> None:
@@ -120,7 +147,12 @@ class Launcher:
 
     def __call__(self, stream: int, values) -> None:
         with self._lock:
-            slots = self._values
-            for i, value in enumerate(values):
-                slots[i] = value & 0xFFFFFFFF if self.kinds[i] == "i32" else value
-            driver.launch(self.function, self.config, stream, self._address)
+            self._parameters.fill(values)
+            driver.launch(self.function, self.config, stream, self._parameters.address)
+
+    def launch(self, stream: int, parameters: Parameters) -> None:
+        """Launches on ``stream`` (a raw CUstream handle) with ``parameters``
+        (this variant's kinds, every slot filled), which the caller leaves
+        unchanged until this returns."""
+        with self._lock:
+            driver.launch(self.function, self.config, stream, parameters.address)

@@ -9,13 +9,29 @@ token t, unweighted), ids int32 [M, top_k], weights FP32 [M, top_k], shared
 and final BF16 [M, H]. Padded rows never come back.
 
 Each call validates its tensors, then launches on torch's current stream of
-the layer's device. Launches allocate only their outputs (torch's caching
-allocator) and the padded inputs when M is not a bucket; workspaces are made
-on a stream's first call, outside any capture. So a layer can be captured in
-a CUDA graph and replayed. A captured launch makes the graph hold the layer
+the layer's device. A launch allocates one block of bytes from torch's
+caching allocator for all its outputs (``OutputLayout``: each output a view
+at an OUTPUT_ALIGN-byte offset) and, when M is not a bucket, the padded
+inputs (one gather each, ``runtime.plan.pad_rows``); workspaces are made on a
+stream's first call, outside any capture. So a layer can be captured in a
+CUDA graph and replayed. A captured launch makes the graph hold the layer
 (runtime.graphs): the graph may be replayed after the caller dropped every
 reference to the layer and its artifact; what it points at is freed only
-once the graph and its instantiations are destroyed.
+once the graph and its instantiations are destroyed. The outputs of a call
+share its block, except the MoE output ``final`` of a variant that writes it,
+which is an allocation of its own: ``layer(...)`` returns a tensor that
+keeps only itself allocated, while any one of ``mega``'s or ``grouped``'s
+outputs the caller keeps keeps the whole block (at glm5's M = 64 about 4.5
+MiB, most of it the routes' rows).
+
+The eager host path (docs/notes/host-path.md): per (variant, stream) a
+``CallPlan`` holds the parameter block filled once with every value that does
+not change between calls (the weights' and row tables' addresses, the tensor
+maps, the stream's workspaces, i32 scalars); a call writes only the
+addresses of x, logits, bias and its output block. The driver's capture
+query runs only when ``runtime.graphs.capture_possible`` cannot rule a
+capture out, and the device's context is pushed only when it is not current
+already.
 
 Calls the mega kernel serves: the mega variants of a model with a shared
 expert compute it in extra routes of the same launch (a ``shared_out``
@@ -31,6 +47,9 @@ shared row in torch (``combine``: FP32, four small kernels, no host sync;
 
 from __future__ import annotations
 
+import math
+import threading
+
 import torch
 
 from runtime import driver, graphs
@@ -38,13 +57,36 @@ from runtime.chunks import run_chunked
 from runtime.constants import KERNELS, TILE
 from runtime.errors import ArtifactError, InputError
 from runtime.inputs import LOGITS, check_call
+from runtime.launch import Parameters
 from runtime.layout import logical_rows
 from runtime.model import MoEShape
-from runtime.plan import Step, bucket_for, default_table, pad_rows
+from runtime.plan import Step, bucket_for, default_table, pad_rows, pad_sources
 
 _DTYPE_NAMES = {v: k for k, v in LOGITS.items()}
 #: i32 parameters the runtime knows how to fill, from (bucket, top_k).
 SCALARS = {"tokens": lambda m, k: m, "routes": lambda m, k: m * k}
+#: Pointer parameters whose values change with every call: the caller's
+#: inputs (padded to the bucket) ...
+INPUTS = ("x", "logits", "bias")
+#: ... and the outputs, views of the call's block (``OutputLayout``).
+OUTPUTS = ("out", "ids", "weights", "shared_out", "final")
+#: Byte alignment of each output in a call's block: what ``cudaMalloc`` gives
+#: a fresh allocation, so each output starts as a tensor of its own would
+#: (the kernels need ``runtime.inputs.ALIGN``, 16).
+OUTPUT_ALIGN = 256
+#: The byte ``poison`` fills a block with: NaN in BF16 and FP32, -1 in int32.
+POISON_BYTE = 0xFF
+#: torch's raw current-stream getter (what ``torch.cuda.current_stream(d)
+#: .cuda_stream`` returns, without making a Stream object); None in a build
+#: without CUDA.
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def current_stream(ordinal: int) -> int:
+    """torch's current stream of CUDA device ``ordinal``, a raw CUstream handle."""
+    if _RAW_STREAM is not None:
+        return _RAW_STREAM(ordinal)
+    return torch.cuda.current_stream(ordinal).cuda_stream
 
 
 class MoELayer:
@@ -53,7 +95,10 @@ class MoELayer:
     ``table``: M -> Step, per logits dtype name, overriding the default
     dispatch (``runtime.plan.default_table``). ``poison``: fill every output
     with NaN (ids with -1) before each launch, so unwritten elements show (a
-    test aid; it adds one fill per output)."""
+    test aid; it adds one fill per call). ``layouts``: variant name -> its
+    ``OutputLayout``. The bound tensors' addresses are read once per
+    (variant, stream) (``CallPlan``); they are fixed at bind already (the
+    tensor maps encode the weights' addresses)."""
 
     def __init__(self, artifact, tensors: dict, shape: MoEShape, device: torch.device,
                  table: dict | None = None, poison: bool = False):  # fmt: skip
@@ -104,6 +149,20 @@ class MoELayer:
                     "routes (no shared_out parameter), but the model has a shared expert; "
                     "rebuild the artifact"
                 )
+        self.layouts = {
+            v.name: OutputLayout(v.tokens, shape.top_k, shape.hidden, v.name in self.final_writers)
+            for v in artifact.variants
+        }
+        #: Logits dtype names each kernel's variants serve.
+        self._kernel_dtypes = {
+            k: tuple(d for d in LOGITS if (k, d) in self.buckets) for k in KERNELS
+        }
+        #: (variant name, stream) -> CallPlan.
+        self._plans: dict[tuple[str, int], CallPlan] = {}
+        #: Padding row indices (runtime.plan.pad_sources) up to the largest
+        #: bucket, and (M, bucket) -> the row of it that pads M rows.
+        self._sources = pad_sources(max((v.tokens for v in artifact.variants), default=1), device)
+        self._pad: dict[tuple[int, int], torch.Tensor] = {}
 
     # Entries ------------------------------------------------------------------
 
@@ -112,22 +171,23 @@ class MoELayer:
         ``shared`` also the shared expert's BF16 [M, H] output (computed by
         the same launch; None without a shared expert)."""
         m, dtype = self._check(x, logits, bias, "mega")
-        step = self._step("mega", m, dtype, False)
-        out, ids, weights, rows, _ = self._run(step, x, logits, bias, dtype)
-        routed = self._crop(m, out, ids, weights)
+        variant = self._variant(self._step("mega", m, dtype, False), dtype)
+        block, layout = self._run(variant, x, logits, bias, m)
+        routed = self._crop(layout, block, m)
         if not shared:
             return routed
-        return (*routed, rows[:m] if self.shape.shared_experts else None)
+        rows = layout.view(block, "shared_out", m) if self.shape.shared_experts else None
+        return (*routed, rows)
 
     def grouped(self, x, logits, bias, finalize: bool = False):
         """Routed plus shared expert by the grouped kernel: (out, ids, weights,
         shared), or with ``finalize`` the BF16 [M, H] MoE output."""
         m, dtype = self._check(x, logits, bias, "grouped")
-        step = self._step("grouped", m, dtype, finalize)
-        out, ids, weights, shared, final = self._run(step, x, logits, bias, dtype)
+        variant = self._variant(self._step("grouped", m, dtype, finalize), dtype)
+        block, layout = self._run(variant, x, logits, bias, m)
         if finalize:
-            return final[:m]
-        return (*self._crop(m, out, ids, weights), shared[:m])
+            return layout.view(block, "final", m)
+        return (*self._crop(layout, block, m), layout.view(block, "shared_out", m))
 
     def __call__(self, x, logits, bias):
         """The MoE layer's output BF16 [M, H] for any M >= 1: one launch up to
@@ -141,11 +201,12 @@ class MoELayer:
         step = self.tables[dtype].get(m)
         if step is None:
             raise InputError(f"no {dtype}-logits variant of this artifact serves M = {m}")
-        out, ids, weights, shared, final = self._run(step, x, logits, bias, dtype)
-        if self._variant(step, dtype).name in self.final_writers:
-            return final[:m]
-        out, ids, weights = self._crop(m, out, ids, weights)
-        shared = shared[:m] if self.shape.shared_experts else None
+        variant = self._variant(step, dtype)
+        block, layout = self._run(variant, x, logits, bias, m)
+        if variant.name in self.final_writers:
+            return layout.view(block, "final", m)
+        out, ids, weights = self._crop(layout, block, m)
+        shared = layout.view(block, "shared_out", m) if self.shape.shared_experts else None
         return combine(out, weights, shared)
 
     # Parts ----------------------------------------------------------------------
@@ -153,7 +214,7 @@ class MoELayer:
     def _check(self, x, logits, bias, kernel):
         dtypes = self.dtypes
         if kernel is not None:
-            dtypes = tuple(d for d in LOGITS if (kernel, d) in self.buckets)
+            dtypes = self._kernel_dtypes[kernel]
             if not dtypes:
                 raise InputError(f"this artifact has no {kernel} variant for {self.artifact.arch}")
         m = check_call(x, logits, bias, self.shape, self.device, dtypes)
@@ -170,58 +231,197 @@ class MoELayer:
             )
         return Step(kernel, bucket, finalize)
 
-    def _run(self, step: Step, x, logits, bias, dtype: str):
-        """Pads to the bucket, launches, returns bucket-sized outputs."""
-        variant = self._variant(step, dtype)
-        mb, k, h = step.bucket, self.shape.top_k, self.shape.hidden
-        x, logits = pad_rows(x, mb), pad_rows(logits, mb)
-        dev = self.device
-        out = torch.empty(mb * k, h, dtype=torch.bfloat16, device=dev)
-        ids = torch.empty(mb * k, dtype=torch.int32, device=dev)
-        weights = torch.empty(mb * k, dtype=torch.float32, device=dev)
-        shared = torch.empty(mb, h, dtype=torch.bfloat16, device=dev)
-        final = torch.empty_like(shared) if variant.name in self.final_writers else shared
-        if self.poison:
-            for t in (out, weights, shared, final):
-                t.fill_(float("nan"))
-            ids.fill_(-1)
-        buffers = {
-            **self.tensors, **self.rows, "maps": self.maps[variant.tensor_maps],
-            "x": x, "logits": logits, "bias": bias, "out": out, "ids": ids,
-            "weights": weights, "shared_out": shared, "final": final,
-        }  # fmt: skip
-        self._launch(variant, buffers, mb)
-        return out, ids.view(mb, k), weights.view(mb, k), shared, final
-
     def _variant(self, step: Step, dtype: str):
         return self.buckets[(step.kernel, dtype)][step.bucket][step.finalize]
 
-    def _launch(self, variant, buffers: dict, bucket: int) -> None:
-        """Fills ``variant``'s parameters by name and launches it on torch's
-        current stream of the layer's device."""
+    def _run(self, variant, x, logits, bias, m: int):
+        """Pads x and logits (M rows) to ``variant``'s bucket, allocates the
+        call's output block (and ``final``, when the variant writes it) and
+        launches; returns (block, its layout); ``layout.view(block, "final")``
+        then gives ``final``."""
+        bucket = variant.tokens
+        if m != bucket:
+            source = self._pad.get((m, bucket))
+            if source is None:  # a view of the table made at bind: no device work
+                source = self._pad[(m, bucket)] = self._sources[m - 1, :bucket]
+            x, logits = pad_rows(x, bucket, source), pad_rows(logits, bucket, source)
+        layout = self.layouts[variant.name]
+        block = layout.allocate(self.device)
+        if self.poison:
+            block.fill_(POISON_BYTE)
+        self._launch(variant, x, logits, bias, block)
+        return block, layout
+
+    def _launch(self, variant, x, logits, bias, block) -> None:
+        """Launches ``variant`` on torch's current stream of the layer's
+        device: ``x`` and ``logits`` at the bucket's rows, ``block`` the
+        call's output block (``self.layouts[variant.name]``)."""
         graphs.release()
-        stream = torch.cuda.current_stream(self.device).cuda_stream
-        workspace = self.artifact.workspaces(self.ordinal).pointers(stream, variant)
-        values = []
-        for name, kind in variant.params:
-            if kind == "i32":
-                values.append(SCALARS[name](bucket, self.shape.top_k))
-            elif name in workspace:
-                values.append(workspace[name])
-            else:
-                values.append(buffers[name].data_ptr())
-        # The device's context is current for the launch only (the legacy
-        # default stream, handle 0, runs in the current context). Leaving it
-        # current would move torch's current device to this layer's: the CUDA
-        # runtime takes the thread's current context as its device.
-        with driver.context(self.ordinal):
+        stream = current_stream(self.ordinal)
+        plan = self._plan(variant, stream)
+        capturing = graphs.capture_possible(self.ordinal)
+        # The device's context is current for the launch (the legacy default
+        # stream, handle 0, runs in the current context). Pushing it only when
+        # it is not current already, and popping it after, leaves the thread's
+        # current context as it was: leaving another current would move
+        # torch's current device to this layer's (the CUDA runtime takes the
+        # thread's current context as its device).
+        if driver.context_is_current(self.ordinal):
+            self._issue(plan, stream, capturing, x, logits, bias, block)
+        else:
+            with driver.context(self.ordinal):
+                self._issue(plan, stream, capturing, x, logits, bias, block)
+
+    def _issue(self, plan, stream: int, capturing: bool, x, logits, bias, block) -> None:
+        if capturing:
             # A graph being captured keeps this layer (weights, rows, maps,
             # the artifact's workspaces and libraries) alive: runtime.graphs.
             graphs.hold(stream, self)
-            self.launchers[variant.name](stream, values)
+        plan.launch(stream, x, logits, bias, block)
 
-    def _crop(self, m: int, out, ids, weights):
-        return out[: m * self.shape.top_k], ids[:m], weights[:m]
+    def _plan(self, variant, stream: int) -> CallPlan:
+        """``variant``'s plan on ``stream``: made on its first call there, and
+        made again when the stream's workspaces were made again (after
+        ``Artifact.close``, a plan would hold freed addresses)."""
+        workspace = self.artifact.workspaces(self.ordinal).pointers(stream, variant)
+        key = (variant.name, stream)
+        plan = self._plans.get(key)
+        if plan is None or plan.workspace is not workspace:
+            fixed = {name: t.data_ptr() for name, t in {**self.tensors, **self.rows}.items()}
+            fixed["maps"] = self.maps[variant.tensor_maps].data_ptr()
+            plan = CallPlan(variant, self.launchers[variant.name], fixed, workspace,
+                            self.layouts[variant.name], self.shape.top_k)  # fmt: skip
+            self._plans[key] = plan
+        return plan
+
+    def _crop(self, layout, block, m: int):
+        """(out, ids, weights) of the first ``m`` tokens."""
+        return (layout.view(block, "out", m * self.shape.top_k), layout.view(block, "ids", m),
+                layout.view(block, "weights", m))  # fmt: skip
+
+
+class OutputLayout:
+    """Where a variant's outputs lie in a call's block of bytes (uint8
+    [``nbytes``], storage offset 0): ``fields`` maps each name of OUTPUTS but
+    ``final`` to (byte offset, dtype, shape at the bucket), in that order,
+    each offset a multiple of OUTPUT_ALIGN and no two overlapping. ``final``:
+    with ``separate_final`` (the variant writes it) a BF16 [B, H] tensor of
+    its own (``_Block.final``), else ``shared_out``'s field (the grouped
+    kernel without finalize gets one pointer for both). Shapes: out BF16
+    [B * top_k, H], ids int32 [B, top_k], weights FP32 [B, top_k],
+    shared_out and final BF16 [B, H], B the bucket."""
+
+    def __init__(self, bucket: int, top_k: int, hidden: int, separate_final: bool):
+        b, k, h = bucket, top_k, hidden
+        self.separate_final, self.final_shape = separate_final, (b, h)
+        fields = [("out", torch.bfloat16, (b * k, h)), ("ids", torch.int32, (b, k)),
+                  ("weights", torch.float32, (b, k)), ("shared_out", torch.bfloat16, (b, h))]  # fmt: skip
+        self.fields: dict[str, tuple[int, torch.dtype, tuple[int, ...]]] = {}
+        offset = 0
+        for name, dtype, shape in fields:
+            self.fields[name] = (offset, dtype, shape)
+            offset += -(-math.prod(shape) * dtype.itemsize // OUTPUT_ALIGN) * OUTPUT_ALIGN
+        self.nbytes = offset
+        if not separate_final:
+            self.fields["final"] = self.fields["shared_out"]
+        #: Output name -> byte offset in the block.
+        self.offsets = {name: field[0] for name, field in self.fields.items()}
+        # name -> (dtype, rows, row width, offset in elements): the views' terms.
+        self._views = {
+            name: (dtype, shape[0], shape[1], offset // dtype.itemsize)
+            for name, (offset, dtype, shape) in self.fields.items()
+        }
+
+    def allocate(self, device, empty=torch.empty):
+        """A call's outputs on ``device``: the block of bytes, or with
+        ``separate_final`` a ``_Block`` of it and ``final`` (``empty``:
+        torch.empty's signature, for stand-ins)."""
+        block = empty(self.nbytes, dtype=torch.uint8, device=device)
+        if not self.separate_final:
+            return block
+        return _Block(block, empty(self.final_shape, dtype=torch.bfloat16, device=device))
+
+    def view(self, block, name: str, rows: int | None = None) -> torch.Tensor:
+        """Output ``name`` of a call (``block``: its bytes, or a ``_Block``):
+        a dense view of its first ``rows`` rows (default: all of the
+        bucket's)."""
+        if name == "final" and self.separate_final:
+            return block.final if rows is None else block.final[:rows]
+        dtype, bucket_rows, width, start = self._views[name]
+        shape = (bucket_rows if rows is None else rows, width)
+        data = block.bytes if isinstance(block, _Block) else block
+        return data.view(dtype).as_strided(shape, (width, 1), start)
+
+
+class _Block:
+    """A call's outputs when ``final`` is allocated apart: ``bytes`` the
+    block (``OutputLayout``), ``final`` BF16 [B, H]."""
+
+    __slots__ = ("bytes", "final")
+
+    def __init__(self, block: torch.Tensor, final: torch.Tensor):
+        self.bytes, self.final = block, final
+
+    def fill_(self, value: int) -> None:
+        self.bytes.fill_(value)
+        self.final.view(torch.uint8).fill_(value)
+
+    def data_ptr(self) -> int:
+        return self.bytes.data_ptr()
+
+
+class CallPlan:
+    """One variant's launches on one stream for one layer.
+
+    ``parameters`` is filled at construction with every value that does not
+    change between calls: i32 scalars (``SCALARS``), the stream's
+    ``workspace`` pointers, and ``fixed`` (parameter name -> address: weights,
+    row tables, tensor maps), in that order of precedence after the per-call
+    names, as a fill by name would. ``inputs``: (slot, index into INPUTS),
+    ``outputs``: (slot, byte offset in the block), the slots ``launch``
+    writes. ``launch`` writes and launches under a lock, so threads sharing a
+    plan (one layer, one stream) never launch each other's addresses; the
+    driver copies the values at the launch (a captured graph node keeps its
+    own copy)."""
+
+    def __init__(self, variant, launcher, fixed: dict, workspace: dict, layout: OutputLayout,
+                 top_k: int):  # fmt: skip
+        self.variant, self.launcher, self.workspace = variant, launcher, workspace
+        self.parameters = Parameters(kind for _, kind in variant.params)
+        #: The slot of ``final`` when it is a tensor of its own, else None.
+        self.final_slot = None
+        inputs, outputs = [], []
+        for i, (name, kind) in enumerate(variant.params):
+            if kind == "i32":
+                self.parameters.slot(i, SCALARS[name](variant.tokens, top_k))
+            elif name in workspace:
+                self.parameters.slot(i, workspace[name])
+            elif name in INPUTS:
+                inputs.append((i, INPUTS.index(name)))
+            elif name == "final" and layout.separate_final:
+                self.final_slot = i
+            elif name in layout.offsets:
+                outputs.append((i, layout.offsets[name]))
+            else:
+                self.parameters.slot(i, fixed[name])
+        self.inputs, self.outputs = tuple(inputs), tuple(outputs)
+        self._lock = threading.Lock()
+
+    def launch(self, stream: int, x, logits, bias, block) -> None:
+        """One call: x, logits, bias (at the bucket's rows) and the output
+        ``block`` of this plan's layout, on ``stream``."""
+        # A model without a bias passes None: its kernels never read it.
+        addresses = (x.data_ptr(), logits.data_ptr(), 0 if bias is None else bias.data_ptr())
+        base = block.data_ptr()
+        values = self.parameters.values
+        with self._lock:
+            for i, j in self.inputs:
+                values[i] = addresses[j]
+            for i, offset in self.outputs:
+                values[i] = base + offset
+            if self.final_slot is not None:
+                values[self.final_slot] = block.final.data_ptr()
+            self.launcher.launch(stream, self.parameters)
 
 
 def writes_final(variant) -> bool:
@@ -253,8 +453,7 @@ def combine(out, weights, shared):
 
 def fillable(variant, tensors: dict) -> list[str]:
     """Parameters of ``variant`` the layer cannot fill (should be none)."""
-    known = set(tensors) | {"maps", "rows1", "rows2", "rows", "x", "logits", "bias", "out",
-                            "ids", "weights", "shared_out", "final"}  # fmt: skip
+    known = set(tensors) | {"maps", "rows1", "rows2", "rows", *INPUTS, *OUTPUTS}
     known |= {w.name for w in variant.workspace}
     missing = []
     for name, kind in variant.params:

@@ -1,7 +1,8 @@
 """The layer as a PyTorch custom op, for torch.compile and serving engines.
 
-``torch.ops.moe_build.moe_layer(Tensor x, Tensor logits, Tensor bias, int
-handle) -> Tensor``: the MoE output BF16 [M, H] for any M >= 1
+``torch.ops.moe_build.moe_layer(Tensor x, Tensor logits, Tensor? bias, int
+handle) -> Tensor``: the MoE output BF16 [M, H] for any M >= 1 (``bias``
+None for a model that routes without a score-correction bias)
 (``runtime.chunks.run_chunked``: one layer call up to the largest bucket,
 row chunks above). ``handle`` is an opaque integer naming a bound layer in a
 process-wide table: ``register(layer)`` adds one and returns its handle,
@@ -39,11 +40,11 @@ import torch
 
 from runtime.chunks import run_chunked
 from runtime.errors import InputError
-from runtime.inputs import LOGITS
+from runtime.inputs import LOGITS, check_bias
 
 #: The op's qualified name and schema (an ``int`` handle: never symbolic).
 NAME = "moe_build::moe_layer"
-SCHEMA = "(Tensor x, Tensor logits, Tensor bias, int handle) -> Tensor"
+SCHEMA = "(Tensor x, Tensor logits, Tensor? bias, int handle) -> Tensor"
 
 _layers: dict[int, object] = {}
 _handles = itertools.count(1)
@@ -123,7 +124,8 @@ def check_meta(layer, x, logits, bias) -> None:
     accepted = tuple(LOGITS[d] for d in layer.dtypes)
     _meta("x", x, (torch.bfloat16,), (m, shape.hidden), device)
     _meta("logits", logits, accepted, (m, shape.experts), device)
-    _meta("bias", bias, (torch.float32,), (shape.experts,), device)
+    check_bias(bias, shape, device, lambda name, t, dtype, dims, dev: _meta(name, t, (dtype,),
+                                                                         dims, dev))  # fmt: skip
 
 
 def _meta(name: str, t, dtypes, dims, device: torch.device) -> None:
@@ -142,7 +144,7 @@ def _meta(name: str, t, dtypes, dims, device: torch.device) -> None:
 
 
 @torch.library.custom_op(NAME, mutates_args=(), schema=SCHEMA)
-def moe_layer(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, handle: int) -> torch.Tensor:  # fmt: skip
+def moe_layer(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor | None, handle: int) -> torch.Tensor:  # fmt: skip
     """BF16 [M, H]: the MoE output of ``handle``'s layer (module docstring)."""
     return run_chunked(lookup(handle), x, logits, bias)
 
@@ -160,13 +162,16 @@ class MoEModule(torch.nn.Module):
     Registers ``layer`` on construction (``handle``) and unregisters it when
     the module is collected or ``close()`` is called. ``bias``: FP32 [E] kept
     as a buffer and used when ``forward`` gets none (the router's score
-    correction bias belongs to the layer's weights)."""
+    correction bias belongs to the layer's weights); a model without one
+    takes none."""
 
     def __init__(self, layer, bias: torch.Tensor | None = None):
         super().__init__()
         self.handle = register(layer)
         self._release = weakref.finalize(self, _drop, self.handle)
         self.hidden = layer.shape.hidden
+        #: False for a model without a score-correction bias: forward passes None.
+        self.routes_with_bias = getattr(layer.shape, "bias", True)
         self.register_buffer("bias", bias, persistent=False)
 
     @property
@@ -174,7 +179,7 @@ class MoEModule(torch.nn.Module):
         return lookup(self.handle)
 
     def forward(self, x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor | None = None):
-        if bias is None:
+        if bias is None and self.routes_with_bias:
             bias = self.bias
             if bias is None:
                 raise InputError("bias: none given and the module holds none")

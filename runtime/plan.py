@@ -62,12 +62,27 @@ def padding(m: int, bucket: int) -> int:
     return bucket - m
 
 
-def pad_rows(t, bucket: int):
-    """``t`` [M, ...] extended to [bucket, ...] by repeating its last row
-    (``t`` itself when M == bucket); a fresh contiguous tensor otherwise."""
+def pad_sources(largest: int, device=None):
+    """int64 [largest, largest]: entry [m - 1, i] is the row of an [m, ...]
+    tensor that row i of its padded form copies: i for i < m, else m - 1 (the
+    last token, repeated). Row m - 1's first ``bucket`` entries pad m rows to
+    any ``bucket`` up to ``largest``. Made by device ops on ``device`` (no
+    host copy, so it may run during a CUDA graph capture)."""
     import torch
 
-    extra = padding(t.shape[0], bucket)
-    if extra == 0:
+    i = torch.arange(largest, device=device)
+    return torch.minimum(i[None, :], i[:, None])
+
+
+def pad_rows(t, bucket: int, source=None):
+    """``t`` [M, ...] extended to [bucket, ...] by repeating its last row
+    (``t`` itself when M == bucket); a fresh contiguous tensor otherwise (one
+    gather). ``source``: the int64 [bucket] row index on ``t``'s device,
+    ``pad_sources(n)[M - 1, :bucket]`` for some n >= bucket, when the caller
+    keeps one; else it is made here."""
+    m = t.shape[0]
+    if padding(m, bucket) == 0:
         return t
-    return torch.cat([t, t[-1:].expand(extra, *t.shape[1:])], dim=0)
+    if source is None:
+        source = pad_sources(bucket, t.device)[m - 1]
+    return t.index_select(0, source)

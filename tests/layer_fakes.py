@@ -97,16 +97,17 @@ class TaggedLayer(MoELayer):
         super().__init__(*args, **kwargs)
         self.skip, self.calls = skip, []
 
-    def _launch(self, variant, buffers, bucket):
-        x, logits = buffers["x"], buffers["logits"]
+    def _launch(self, variant, x, logits, bias, block):
+        bucket = variant.tokens
         assert x.shape[0] == bucket and logits.shape[0] == bucket
         self.calls.append((variant.name, x.clone(), logits.clone()))
         t = tags(x, logits, SHAPE.top_k)
-        results = {"out": t["out"], "ids": t["ids"].view(-1), "weights": t["weights"].view(-1)}
+        results = {"out": t["out"], "ids": t["ids"], "weights": t["weights"]}
         if computes_shared(variant):
             results["shared_out"] = t["shared"]
         if writes_final(variant):
             results["final"] = t["final"]
+        layout = self.layouts[variant.name]
         for name, value in results.items():
             if name not in self.skip:
-                buffers[name].copy_(value)
+                layout.view(block, name).copy_(value)

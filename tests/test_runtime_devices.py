@@ -9,184 +9,19 @@ cannot hold a persistent grid, and one that does not exist."""
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import itertools
-from types import SimpleNamespace
-
 import pytest
 import runtime_fixtures as fx
 import seeding
 import torch
+from driver_fakes import artifact, fake_devices, launch_args, move, weights_on
 
-import runtime.moe
-import runtime.tensormap
-from runtime import driver
 from runtime.artifact import Launch, Variant, WorkspaceNeed
 from runtime.errors import DeviceRefused, InputError
 from runtime.layout import random_moe_weights
-from runtime.loader import load
 from runtime.model import MoEShape
 from runtime.workspace import Workspaces
 
 SHAPE = MoEShape(**fx.SMALL_MODEL)
-
-
-class FakeDriver:
-    """The calls runtime.loader, .launch, .workspace and .moe make, on fake
-    devices: ``capabilities[ordinal]``, ``sms[ordinal]``. Records what each
-    call concerned."""
-
-    def __init__(self, capabilities=None, sms=None):
-        self.capabilities = capabilities or {0: (9, 0), 1: (9, 0)}
-        self.sms = sms or {o: 132 for o in self.capabilities}
-        self.contexts: list[int] = []  # the thread's context stack (ordinals)
-        self.functions, self.allocs, self.freed, self.launches = [], {}, [], []
-        self.unloaded, self.artifacts = [], []
-        self.capturing, self.graph_objects = {}, {}
-        self.sizes: dict[int, tuple[int, bool]] = {}  # pointer -> (bytes, zero)
-        self._params: dict[str, list[str]] = {}  # entry -> parameter names
-        self._addresses = itertools.count(0x1000_0000, 0x10_0000)
-
-    def install(self, monkeypatch) -> FakeDriver:
-        for name in ("device_count", "capability", "driver_version", "load_library",
-                     "unload_library", "library_kernel", "kernel_function", "function_attribute",
-                     "set_function_attribute", "max_smem_optin", "sm_count", "launch_config",
-                     "max_active_clusters", "max_active_blocks", "alloc", "free", "launch",
-                     "context", "attribute", "capturing_graph", "retain_in_graph"):  # fmt: skip
-            monkeypatch.setattr(driver, name, getattr(self, name))
-        return self
-
-    def _known(self, ordinal: int) -> int:
-        if ordinal not in self.capabilities:
-            raise AssertionError(f"the runtime asked the driver about device {ordinal}")
-        return ordinal
-
-    def device_count(self):
-        return len(self.capabilities)
-
-    def capability(self, ordinal):
-        return self.capabilities[self._known(ordinal)]
-
-    def driver_version(self):
-        return 13000
-
-    def load_library(self, cubin):
-        return ("library", cubin[:8])
-
-    def unload_library(self, library):
-        self.unloaded.append(library)
-
-    def library_kernel(self, library, entry):
-        return ("kernel", entry)
-
-    def kernel_function(self, kernel, ordinal):
-        function = ("function", kernel[1], self._known(ordinal))
-        self.functions.append(function)
-        return function
-
-    def function_attribute(self, function, attr):
-        return {"SHARED_SIZE_BYTES": 0, "MAX_THREADS_PER_BLOCK": 1024}[attr]
-
-    def set_function_attribute(self, function, attr, value):
-        pass
-
-    def max_smem_optin(self, ordinal):
-        return 232448
-
-    def sm_count(self, ordinal):
-        return self.sms[self._known(ordinal)]
-
-    def launch_config(self, grid, block, smem, cluster=None, pdl=False, cooperative=False):
-        return SimpleNamespace(grid=grid, block=block, smem=smem, cluster=cluster,
-                               cooperative=cooperative)  # fmt: skip
-
-    def attribute(self, ordinal, attr):
-        return {"COOPERATIVE_LAUNCH": 1}[attr] if self._known(ordinal) is not None else 0
-
-    def max_active_clusters(self, function, config, ordinal):
-        return self.sms[self._known(ordinal)] // 8
-
-    def max_active_blocks(self, function, threads, smem, ordinal):
-        return 1
-
-    def alloc(self, ordinal, nbytes, zero):
-        pointer = next(self._addresses)
-        self.allocs[pointer] = self._known(ordinal)
-        self.sizes[pointer] = (nbytes, zero)
-        return pointer
-
-    def free(self, ordinal, pointer):
-        self.freed.append((ordinal, pointer))
-
-    #: Stream handle -> the graph it is being captured into (tests set it).
-    capturing: dict = {}
-
-    def capturing_graph(self, stream):
-        return self.capturing.get(stream)
-
-    def retain_in_graph(self, graph, key, destroy):
-        """Records the user object; ``destroy_graph`` runs its destructor."""
-        self.graph_objects.setdefault(graph, []).append((key, destroy))
-
-    def destroy_graph(self, graph):
-        """What the driver does once a graph and its instantiations are gone."""
-        for key, destroy in self.graph_objects.pop(graph, []):
-            ctypes.CFUNCTYPE(None, ctypes.c_void_p)(destroy)(key)
-
-    def make_current(self, ordinal):
-        """Test set-up: what the thread's current context is before a call."""
-        if self.contexts:
-            self.contexts[-1] = ordinal
-        else:
-            self.contexts.append(ordinal)
-
-    @contextlib.contextmanager
-    def context(self, ordinal):
-        self.contexts.append(self._known(ordinal))
-        try:
-            yield
-        finally:
-            self.contexts.pop()
-
-    def current(self):
-        return self.contexts[-1] if self.contexts else None
-
-    def launch(self, function, config, stream, params_address):
-        """Records the function, stream, current context and the parameter
-        values the launcher's ``void*[]`` points at."""
-        names = self._params[function[1]]
-        slots = (ctypes.c_void_p * len(names)).from_address(params_address)
-        values = [ctypes.c_uint64.from_address(slots[i]).value for i in range(len(names))]
-        self.launches.append(
-            (function, stream, self.current(), dict(zip(names, values, strict=True)))
-        )
-
-
-def _on(ordinal: int | None):
-    """A tensor subclass whose tensors report cuda:<ordinal> (CPU memory)."""
-
-    class OnDevice(torch.Tensor):
-        __torch_function__ = torch._C._disabled_torch_function_impl
-
-        @property
-        def device(self):
-            return torch.device("cuda", ordinal)
-
-    return OnDevice
-
-
-def _move(t: torch.Tensor, ordinal: int) -> torch.Tensor:
-    return t.as_subclass(_on(ordinal)) if ordinal is not None else t
-
-
-def _weights_on(weights, ordinal):
-    from runtime.layout import ExpertWeights, MoEWeights
-
-    def part(e):
-        return ExpertWeights(*(_move(t, ordinal) for t in e.tensors()))
-
-    return MoEWeights(part(weights.routed), part(weights.shared))
 
 
 @pytest.fixture(scope="module")
@@ -196,38 +31,8 @@ def weights():
 
 @pytest.fixture
 def fake(monkeypatch):
-    fake = FakeDriver().install(monkeypatch)
-    # Tensor maps and row tables are device buffers: record the device asked
-    # for and keep the bytes on the CPU.
-    maps = []
-
-    def build(tensors, names, device):
-        maps.append((names, device, {n: tensors[n].device for n in names}))
-        return _move(torch.zeros(128 * len(names), dtype=torch.uint8), device.index)
-
-    real_rows = runtime.moe.logical_rows
-    monkeypatch.setattr(runtime.tensormap, "build", build)
-    monkeypatch.setattr(runtime.moe, "logical_rows", lambda n, d: _move(real_rows(n), d.index))
-    streams = {}
-
-    def current_stream(device=None):
-        index = torch.device(device).index
-        return streams.setdefault(index, SimpleNamespace(cuda_stream=0x5000 + index))
-
-    monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
-    fake.maps = maps
-    yield fake
-    for art in fake.artifacts:  # free the fake workspaces while the fake is in place
-        art.close()
-
-
-def _artifact(tmp_path, fake, device="cuda:1"):
-    variants = [(fx.record("mega", tokens=m), fx.cubin(f"m{m}")) for m in (1, 2, 3, 4)]
-    variants.append((fx.record("grouped", tokens=8, finalize=True), fx.cubin("g8")))
-    art = load(fx.write(tmp_path / "art", variants), device)
-    fake._params.update({v.entry: [n for n, _ in v.params] for v in art.variants})
-    fake.artifacts.append(art)
-    return art
+    with fake_devices(monkeypatch) as fake:
+        yield fake
 
 
 def _inputs(m, ordinal):
@@ -235,11 +40,11 @@ def _inputs(m, ordinal):
     x = torch.randn(m, SHAPE.hidden, generator=g).to(torch.bfloat16)
     logits = torch.randn(m, SHAPE.experts, generator=g)
     bias = torch.randn(SHAPE.experts, generator=g) * 0.1
-    return [_move(t, ordinal) for t in (x, logits, bias)]
+    return [move(t, ordinal) for t in (x, logits, bias)]
 
 
 def test_functions_and_workspaces_are_kept_per_device(tmp_path, fake):
-    art = _artifact(tmp_path, fake)
+    art = artifact(tmp_path, fake)
     grouped = next(v for v in art.variants if v.kernel == "grouped")
     first, second = art.launcher(grouped, 0), art.launcher(grouped, 1)
     assert first is not second
@@ -307,8 +112,8 @@ def test_workspaces_are_kept_per_stream(fake):
 
 
 def test_layers_on_two_devices_launch_on_their_own(tmp_path, fake, weights):
-    art = _artifact(tmp_path, fake)
-    layers = {o: art.bind(_weights_on(weights, o), device=f"cuda:{o}") for o in (0, 1)}
+    art = artifact(tmp_path, fake)
+    layers = {o: art.bind(weights_on(weights, o), device=f"cuda:{o}") for o in (0, 1)}
     for o, layer in layers.items():
         assert layer.device == torch.device("cuda", o) and layer.ordinal == o
         assert {launcher.ordinal for launcher in layer.launchers.values()} == {o}
@@ -325,10 +130,8 @@ def test_layers_on_two_devices_launch_on_their_own(tmp_path, fake, weights):
     fake.make_current(0)
     for o in (1, 0, 1):
         layer = layers[o]
-        buffers = {**layer.tensors, **layer.rows, "maps": layer.maps[grouped.tensor_maps]}
-        for name in ("x", "logits", "bias", "out", "ids", "weights", "shared_out", "final"):
-            buffers[name] = _move(torch.zeros(4, dtype=torch.float32), o)
-        layer._launch(grouped, buffers, 8)
+        x, logits, bias, block = launch_args(layer, grouped, o)
+        layer._launch(grouped, x, logits, bias, block)
         function, stream, context, values = fake.launches[-1]
         assert function == ("function", grouped.entry, o)
         assert stream == 0x5000 + o and context == o
@@ -337,15 +140,18 @@ def test_layers_on_two_devices_launch_on_their_own(tmp_path, fake, weights):
         assert all(values[n] == p and fake.allocs[p] == o for n, p in spaces.items())
         assert values["maps"] == layer.maps[grouped.tensor_maps].data_ptr()
         assert values["w13_scale"] == layer.tensors["w13_scale"].data_ptr()
+        assert values["x"] == x.data_ptr() and values["bias"] == bias.data_ptr()
+        final = layer.layouts[grouped.name].view(block, "final")
+        assert values["final"] == final.data_ptr()
 
 
 @pytest.mark.parametrize("where", ["cpu", 0])
 @pytest.mark.parametrize("which", [0, 1, 2])
 def test_layer_refuses_tensors_on_another_device(tmp_path, fake, weights, where, which):
-    art = _artifact(tmp_path, fake)
-    layer = art.bind(_weights_on(weights, 1), device=torch.device("cuda", 1))
+    art = artifact(tmp_path, fake)
+    layer = art.bind(weights_on(weights, 1), device=torch.device("cuda", 1))
     args = _inputs(3, 1)
-    args[which] = _move(args[which].as_subclass(torch.Tensor), None if where == "cpu" else where)
+    args[which] = move(args[which].as_subclass(torch.Tensor), None if where == "cpu" else where)
     name = ("x", "logits", "bias")[which]
     found = "cpu" if where == "cpu" else "cuda:0"
     for call in (layer, layer.mega, layer.grouped):
@@ -355,38 +161,36 @@ def test_layer_refuses_tensors_on_another_device(tmp_path, fake, weights, where,
 
 
 def test_bind_refusals_name_the_device(tmp_path, fake, weights):
-    art = _artifact(tmp_path, fake, device="cuda:0")
+    art = artifact(tmp_path, fake, device="cuda:0")
     with pytest.raises(
         InputError, match=r"weights.routed.w13: expected device cuda:1, found cuda:0"
     ):
-        art.bind(_weights_on(weights, 0), device="cuda:1")
+        art.bind(weights_on(weights, 0), device="cuda:1")
     with pytest.raises(DeviceRefused, match=r"bind: expected a CUDA device, found cpu"):
         art.bind(weights)  # CPU weights, no device named
     with pytest.raises(DeviceRefused, match=r"cuda:2: no such device; the driver sees 2"):
-        art.bind(_weights_on(weights, 2), device="cuda:2")
-    assert art.bind(_weights_on(weights, 1)).device == torch.device("cuda", 1)  # weights' device
+        art.bind(weights_on(weights, 2), device="cuda:2")
+    assert art.bind(weights_on(weights, 1)).device == torch.device("cuda", 1)  # weights' device
 
 
 def test_bind_checks_each_device(tmp_path, monkeypatch, fake, weights):
-    art = _artifact(tmp_path, fake, device="cuda:0")
+    art = artifact(tmp_path, fake, device="cuda:0")
     # Device 1 of another arch.
     fake.capabilities[1] = (10, 0)
     with pytest.raises(DeviceRefused, match=r"loaded for sm_90a; device cuda:1 is sm_100a"):
-        art.bind(_weights_on(weights, 1), device="cuda:1")
+        art.bind(weights_on(weights, 1), device="cuda:1")
     # Device 1 with fewer SMs than the persistent grouped grid (132 CTAs) needs.
     fake.capabilities[1], fake.sms[1] = (9, 0), 114
     with pytest.raises(DeviceRefused, match=r"persistent grid of 132 CTAs .* device 1 holds 114"):
-        art.bind(_weights_on(weights, 1), device="cuda:1")
-    assert art.bind(_weights_on(weights, 0), device="cuda:0").ordinal == 0
+        art.bind(weights_on(weights, 1), device="cuda:1")
+    assert art.bind(weights_on(weights, 0), device="cuda:0").ordinal == 0
 
 
 def _launch_each(layer, ordinal: int) -> None:
-    """One launch of each of the layer's variants, outputs faked on the CPU."""
+    """One launch of each of the layer's variants, inputs and outputs faked
+    on the CPU."""
     for v in layer.variants.values():
-        buffers = {**layer.tensors, **layer.rows, "maps": layer.maps[v.tensor_maps]}
-        for name in ("x", "logits", "bias", "out", "ids", "weights", "shared_out", "final"):
-            buffers[name] = _move(torch.zeros(4, dtype=torch.float32), ordinal)
-        layer._launch(v, buffers, v.tokens)
+        layer._launch(v, *launch_args(layer, v, ordinal))
 
 
 def test_a_captured_graph_keeps_its_layer_alive(tmp_path, fake, weights):
@@ -400,8 +204,8 @@ def test_a_captured_graph_keeps_its_layer_alive(tmp_path, fake, weights):
     from runtime import graphs
     from runtime.errors import ArtifactError
 
-    art = _artifact(tmp_path, fake, device="cuda:0")
-    layer = art.bind(_weights_on(weights, 0))
+    art = artifact(tmp_path, fake, device="cuda:0")
+    layer = art.bind(weights_on(weights, 0))
     fake.capturing[0x5000] = "graph-1"
     _launch_each(layer, 0)
     fake.capturing.clear()
@@ -426,8 +230,8 @@ def test_a_captured_graph_keeps_its_layer_alive(tmp_path, fake, weights):
 def test_an_eager_launch_holds_nothing(tmp_path, fake, weights):
     from runtime import graphs
 
-    art = _artifact(tmp_path, fake, device="cuda:0")
-    layer = art.bind(_weights_on(weights, 0))
+    art = artifact(tmp_path, fake, device="cuda:0")
+    layer = art.bind(weights_on(weights, 0))
     _launch_each(layer, 0)
     assert fake.graph_objects == {}
     assert graphs.holding(lambda owner: owner is layer) == 0

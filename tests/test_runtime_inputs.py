@@ -96,3 +96,20 @@ def test_refuses_bad_weights(weights):
         check_weights(weights, other, CPU)
     with pytest.raises(InputError, match="expected a runtime.layout.MoEWeights"):
         check_weights({"w13": None}, SHAPE, CPU)
+
+
+def test_bias_is_none_exactly_for_a_model_without_one():
+    """A model routing without a score-correction bias (Qwen3) takes None:
+    its kernels never read one, so a tensor would go silently unused; a
+    model with one refuses None. The fast path (a second call) agrees."""
+    import dataclasses
+
+    plain = dataclasses.replace(SHAPE, bias=False, score="softmax")
+    x, logits, bias = _call(4)
+    for _ in range(2):
+        assert check_call(x, logits, None, plain, CPU, BOTH) == 4
+        assert check_call(x, logits, bias, SHAPE, CPU, BOTH) == 4
+        with pytest.raises(InputError, match=r"bias: this model routes without .*pass None"):
+            check_call(x, logits, bias, plain, CPU, BOTH)
+        with pytest.raises(InputError, match=r"bias: this model routes with .*found None"):
+            check_call(x, logits, None, SHAPE, CPU, BOTH)

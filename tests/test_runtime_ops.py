@@ -30,7 +30,7 @@ class StandIn:
     function of token t alone; records each call's M."""
 
     def __init__(self, device="cpu", dtypes=("float32", "bfloat16")):
-        self.shape = SimpleNamespace(hidden=H, experts=E)
+        self.shape = SimpleNamespace(hidden=H, experts=E, bias=True)
         self.device = torch.device(device)
         self.dtypes = dtypes
         self.tables = {d: dict.fromkeys(range(1, 65)) for d in dtypes}
@@ -65,7 +65,7 @@ def layer():
 def test_schema_declares_no_mutation_or_aliasing():
     schema = OP.default._schema
     assert str(schema) == (
-        "moe_build::moe_layer(Tensor x, Tensor logits, Tensor bias, int handle) -> Tensor"
+        "moe_build::moe_layer(Tensor x, Tensor logits, Tensor? bias, int handle) -> Tensor"
     )
     assert not schema.is_mutable
     assert all(a.alias_info is None for a in (*schema.arguments, *schema.returns))

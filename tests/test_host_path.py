@@ -1,0 +1,406 @@
+"""The eager host path of a layer call (runtime/moe.py, docs/notes/host-path.md)
+on the CPU: the per-(variant, stream) call plans launch exactly what a fill
+of every parameter by name gives, and are made again for another stream, for
+remade workspaces and per variant; threads sharing a plan launch their own
+addresses; a call's outputs are views of one fresh block, apart and aligned;
+a launch into a capture still makes the graph hold the layer, and the
+driver's capture query is skipped only when torch proves there is no
+capture; the device's context is pushed only when it is not current; the
+input checks refuse, after accepting a call, what they refused before."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+
+import pytest
+import runtime_fixtures as fx
+import seeding
+import torch
+from driver_fakes import artifact, fake_devices, launch_args, move, weights_on
+from layer_fakes import FakeArtifact, TaggedLayer
+
+import runtime.inputs
+from benchmarks.host_path import NullDriver, cpu_layer, inputs, variants
+from runtime import driver, graphs
+from runtime.errors import InputError
+from runtime.inputs import ALIGN, check_call, check_weights
+from runtime.layout import random_moe_weights
+from runtime.model import MoEShape
+from runtime.moe import OUTPUT_ALIGN, OUTPUTS, OutputLayout
+from runtime.plan import pad_rows, pad_sources
+
+SHAPE = MoEShape(**fx.SMALL_MODEL)
+CPU = torch.device("cpu")
+BOTH = ("float32", "bfloat16")
+I32 = "mega-sm_90a-m2-float32"
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    with fake_devices(monkeypatch) as fake:
+        yield fake
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return random_moe_weights(SHAPE, seeding.generator(f"{__name__}.weights"))[0]
+
+
+def _records():
+    """mega m1, mega m2 that also takes the i32 scalars (its own entry, so
+    the fake knows its parameter names), grouped m8 with and without
+    finalize."""
+    params = [{"name": p, "kind": "pointer"} for p in fx.MEGA_PARAMS]
+    params += [{"name": "tokens", "kind": "i32"}, {"name": "routes", "kind": "i32"}]
+    return [
+        (fx.record("mega", tokens=1), fx.cubin("m1")),
+        (fx.record("mega", tokens=2, entry="moe_mega_i32", params=params), fx.cubin("m2")),
+        (fx.record("grouped", tokens=8), fx.cubin("g8")),
+        (fx.record("grouped", tokens=8, finalize=True), fx.cubin("g8f")),
+    ]
+
+
+def _layer(tmp_path, fake, weights, ordinal=0):
+    art = artifact(tmp_path, fake, device=f"cuda:{ordinal}", records=_records())
+    return art.bind(weights_on(weights, ordinal))
+
+
+def _by_name(layer, variant, stream, x, logits, bias, block) -> dict:
+    """What filling every parameter of ``variant`` by name gives (the
+    layer's fill before it kept plans): i32 scalars from the bucket, the
+    stream's workspaces, else the address of the tensor of that name
+    (weights, row tables, maps, the call's inputs and outputs)."""
+    layout = layer.layouts[variant.name]
+    named = {**layer.tensors, **layer.rows, "maps": layer.maps[variant.tensor_maps],
+             "x": x, "logits": logits, "bias": bias}  # fmt: skip
+    addresses = {n: t.data_ptr() for n, t in named.items()}
+    addresses.update({n: layout.view(block, n).data_ptr() for n in OUTPUTS})
+    spaces = layer.artifact.workspaces(layer.ordinal).pointers(stream, variant)
+    scalars = {"tokens": variant.tokens, "routes": variant.tokens * SHAPE.top_k}
+    return {
+        name: scalars[name] if kind == "i32" else spaces.get(name, addresses.get(name))
+        for name, kind in variant.params
+    }
+
+
+# Plans ----------------------------------------------------------------------------------
+
+
+def test_plans_launch_what_a_fill_by_name_gives(tmp_path, fake, weights):
+    """Every variant, interleaved, each call with tensors of its own (kept
+    alive, so no address repeats): the launched values are the by-name
+    fill's, the per-call slots rewritten and the rest kept."""
+    layer = _layer(tmp_path, fake, weights)
+    fake.make_current(0)
+    v = layer.variants
+    order = ["mega-sm_90a-m1-float32", I32, "grouped-sm_90a-m8-float32",
+             "grouped-sm_90a-m8-float32-final", "mega-sm_90a-m1-float32",
+             "grouped-sm_90a-m8-float32-final", I32]  # fmt: skip
+    kept = []
+    for name in order:
+        args = launch_args(layer, v[name], 0)
+        kept.append(args)
+        layer._launch(v[name], *args)
+        function, stream, context, values = fake.launches[-1]
+        assert function == ("function", v[name].entry, 0) and context == 0
+        assert values == _by_name(layer, v[name], stream, *args), name
+    assert fake.launches[1][3]["tokens"] == 2 and fake.launches[1][3]["routes"] == 2 * SHAPE.top_k
+    assert set(layer._plans) == {(n, 0x5000) for n in order}
+    # The grouped kernel without finalize gets one pointer for final and shared_out.
+    plain, final = fake.launches[2][3], fake.launches[3][3]
+    assert plain["final"] == plain["shared_out"] and final["final"] != final["shared_out"]
+
+
+def test_a_plan_per_stream(tmp_path, fake, weights):
+    layer = _layer(tmp_path, fake, weights)
+    fake.make_current(0)
+    v = layer.variants["grouped-sm_90a-m8-float32-final"]
+    counters, plans, kept = {}, {}, []
+    for stream in (0x5000, 0x7000, 0x5000, 0x7000, 0x5000):
+        fake.streams[0] = stream
+        args = launch_args(layer, v, 0)
+        kept.append(args)
+        layer._launch(v, *args)
+        _, launched, _, values = fake.launches[-1]
+        assert launched == stream
+        assert values == _by_name(layer, v, stream, *args)
+        assert counters.setdefault(stream, values["counters"]) == values["counters"]
+        assert (
+            plans.setdefault(stream, layer._plans[(v.name, stream)])
+            is layer._plans[(v.name, stream)]
+        ), "a stream's plan was made again"
+    assert counters[0x5000] != counters[0x7000]
+    assert plans[0x5000] is not plans[0x7000]
+
+
+def test_a_plan_is_remade_with_the_workspaces(tmp_path, fake, weights):
+    """After ``Artifact.close`` frees the workspaces, a launch (the fake's
+    functions still answer) must use the new ones, never a freed address."""
+    layer = _layer(tmp_path, fake, weights)
+    fake.make_current(0)
+    v = layer.variants["grouped-sm_90a-m8-float32-final"]
+    names = [w.name for w in v.workspace]
+    first = launch_args(layer, v, 0)
+    layer._launch(v, *first)
+    old = {n: fake.launches[-1][3][n] for n in names}
+    layer.artifact.close()
+    freed = {p for _, p in fake.freed}
+    assert set(old.values()) <= freed
+    second = launch_args(layer, v, 0)
+    layer._launch(v, *second)
+    _, stream, _, values = fake.launches[-1]
+    assert values == _by_name(layer, v, stream, *second)
+    assert not {values[n] for n in names} & freed, "a freed workspace was launched"
+
+
+def test_threads_sharing_a_plan_launch_their_own_addresses(tmp_path, fake, weights, monkeypatch):
+    """Two threads, one layer, one stream, one variant: each launch carries
+    the launching thread's tensors (the driver here yields before it reads
+    the values, so unguarded slots would be overwritten)."""
+    layer = _layer(tmp_path, fake, weights)
+    fake.make_current(0)
+    v = layer.variants["mega-sm_90a-m1-float32"]
+    record = fake.launch
+
+    def launch(function, config, stream, params):
+        time.sleep(0.0005)
+        record(function, config, stream, params)
+        fake.launches[-1] += (threading.get_ident(),)
+
+    monkeypatch.setattr(driver, "launch", launch)
+    own, errors = {}, []
+
+    def run():
+        try:
+            args = launch_args(layer, v, 0)
+            own[threading.get_ident()] = args
+            for _ in range(40):
+                layer._launch(v, *args)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert len(fake.launches) == 80
+    for _, stream, _, values, thread in fake.launches:
+        assert values == _by_name(layer, v, stream, *own[thread])
+
+
+# Outputs -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("separate", [False, True])
+@pytest.mark.parametrize("bucket", [1, 3, 8, 64])
+def test_output_layout(bucket, separate):
+    """One block: every output at an OUTPUT_ALIGN multiple (itself a multiple
+    of the kernels' ALIGN), no two overlapping, all inside the block; the
+    shapes and dtypes the layer returned before; ``final`` is ``shared_out``
+    exactly when the variant does not write it, else a tensor of its own
+    (so the MoE output a caller keeps holds nothing else)."""
+    k, h = 8, 4096
+    layout = OutputLayout(bucket, k, h, separate)
+    want = {"out": (torch.bfloat16, (bucket * k, h)), "ids": (torch.int32, (bucket, k)),
+            "weights": (torch.float32, (bucket, k)), "shared_out": (torch.bfloat16, (bucket, h)),
+            "final": (torch.bfloat16, (bucket, h))}  # fmt: skip
+    in_block = [n for n in OUTPUTS if n != "final" or not separate]
+    assert OUTPUT_ALIGN % ALIGN == 0 and sorted(layout.fields) == sorted(in_block)
+    if not separate:
+        assert layout.fields["final"] is layout.fields["shared_out"]
+    spans = []
+    for name, (offset, dtype, shape) in layout.fields.items():
+        assert (dtype, shape) == want[name], name
+        assert offset % OUTPUT_ALIGN == 0 and layout.offsets[name] == offset
+        if name != "final":
+            spans.append((offset, offset + dtype.itemsize * shape[0] * shape[1]))
+    spans.sort()
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False)), spans
+    assert spans[-1][1] <= layout.nbytes and layout.nbytes % OUTPUT_ALIGN == 0
+    block = layout.allocate(CPU)
+    data = block.bytes if separate else block
+    assert data.dtype == torch.uint8 and data.numel() == layout.nbytes
+    for name in OUTPUTS:
+        dtype, shape = want[name]
+        full, some = layout.view(block, name), layout.view(block, name, 1)
+        assert full.dtype == dtype and full.shape == shape and full.is_contiguous()
+        assert some.shape == (1, shape[1]) and some.data_ptr() == full.data_ptr()
+        if name == "final" and separate:
+            assert full.untyped_storage().nbytes() == bucket * h * 2
+            assert full.untyped_storage().data_ptr() != data.data_ptr()
+        else:
+            assert full.data_ptr() - data.data_ptr() == layout.fields[name][0]
+
+
+@pytest.fixture
+def null(monkeypatch):
+    """The null driver in place; ``null.layer()`` binds a CPU layer whose
+    artifact is closed (its fake workspaces freed) while it still is."""
+    null = NullDriver().install(monkeypatch.setattr)
+    made = []
+
+    def layer():
+        made.append(cpu_layer(SHAPE, variants(SHAPE)))
+        return made[-1]
+
+    null.layer = layer
+    yield null
+    for layer in made:
+        layer.artifact.close()
+
+
+def _launched(null, variant) -> dict:
+    """The parameter values of the null driver's last launch, by name."""
+    slots = (ctypes.c_void_p * len(variant.params)).from_address(null.last_params)
+    return {n: ctypes.c_uint64.from_address(slots[i]).value
+            for i, (n, _) in enumerate(variant.params)}  # fmt: skip
+
+
+def _bytes(t):
+    return t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+
+
+@pytest.mark.parametrize("m", [3, 4, 5, 8])
+def test_calls_get_fresh_blocks_of_apart_outputs(null, m):
+    """The real layer on the CPU: two calls' outputs are distinct tensors in
+    distinct blocks; one call's outputs lie apart in its block, each at an
+    OUTPUT_ALIGN offset from the block's start; the launch got the caller's
+    x when M is a bucket (else a padded copy) and the outputs' addresses."""
+    layer = null.layer()
+    x, logits, bias = inputs(SHAPE, m)
+    a, b = layer(x, logits, bias), layer(x, logits, bias)
+    assert a.shape == b.shape == (m, SHAPE.hidden) and a.dtype == torch.bfloat16
+    assert a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+    variant = layer._variant(layer.tables["float32"][m], "float32")
+    # The MoE output keeps only its own bucket-sized rows allocated.
+    assert a.untyped_storage().nbytes() == variant.tokens * SHAPE.hidden * 2
+    values = _launched(null, variant)
+    assert values["final"] == b.data_ptr()
+    assert (values["x"] == x.data_ptr()) == (m == variant.tokens)
+    calls = [layer.grouped(x, logits, bias)]
+    if m <= 4:
+        calls.append(layer.mega(x, logits, bias, shared=True))
+    for outs in calls:
+        base = outs[0].untyped_storage().data_ptr()
+        spans = sorted(_bytes(t) for t in outs)
+        assert all(p[1] <= q[0] for p, q in zip(spans, spans[1:], strict=False)), spans
+        assert all((t.data_ptr() - base) % OUTPUT_ALIGN == 0 for t in outs)
+        assert all(t.untyped_storage().data_ptr() == base for t in outs)
+        assert outs[1].dtype == torch.int32 and outs[1].shape == (m, SHAPE.top_k)
+
+
+def test_poison_fills_every_output(weights):
+    """``poison``: whatever the kernel leaves unwritten is NaN (ids -1)."""
+    tensors = check_weights(weights, SHAPE, CPU)
+    vs = variants(SHAPE)
+    layer = TaggedLayer(FakeArtifact(vs), tensors, SHAPE, CPU, poison=True, skip=OUTPUTS)
+    x, logits, bias = inputs(SHAPE, 2)
+    out, ids, w, shared = layer.mega(x, logits, bias, shared=True)
+    assert out.isnan().all() and w.isnan().all() and shared.isnan().all()
+    assert (ids == -1).all()
+    assert layer(x, logits, bias).isnan().all()
+
+
+def test_padding_repeats_the_last_row():
+    g = seeding.generator()
+    for m, bucket in ((1, 1), (1, 4), (5, 8), (13, 16), (63, 64)):
+        t = torch.randn(m, 7, generator=g)
+        want = torch.cat([t, t[-1:].expand(bucket - m, 7)])
+        assert torch.equal(pad_rows(t, bucket), want)
+        assert torch.equal(pad_rows(t, bucket, pad_sources(64)[m - 1, :bucket]), want)
+    full = torch.randn(8, 7, generator=g)
+    assert pad_rows(full, 8) is full
+
+
+# Capture and context ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("current", [0, 1, None])
+def test_captured_launches_hold_the_layer(tmp_path, fake, weights, current):
+    """Layer on device 0, the thread's current context device ``current``
+    (torch's current device: the same, 0 with none). Not capturing: no hold,
+    and the driver is asked only when torch's device is another (torch's
+    answer concerns another stream then). Capturing the layer's stream: the
+    graph holds the layer, whatever device is current; capturing only
+    device 1's stream holds nothing."""
+    layer = _layer(tmp_path, fake, weights)
+    if current is not None:
+        fake.make_current(current)
+    v = layer.variants["mega-sm_90a-m1-float32"]
+    stream = fake.current_stream(0)
+    layer._launch(v, *launch_args(layer, v, 0))
+    asked = fake.torch_device() != 0
+    assert fake.queries == ([stream] if asked else []) and fake.graph_objects == {}
+    fake.capturing[fake.current_stream(1)] = "other-graph"
+    layer._launch(v, *launch_args(layer, v, 0))
+    assert fake.graph_objects == {}
+    fake.capturing[stream] = "graph"
+    layer._launch(v, *launch_args(layer, v, 0))
+    assert fake.queries[-1] == stream
+    assert len(fake.graph_objects["graph"]) == 1
+    assert graphs.holding(lambda owner: owner is layer) == 1
+    fake.capturing.clear()
+    fake.destroy_graph("graph")
+    assert graphs.release() == 1
+
+
+@pytest.mark.parametrize("current", [0, 1, None])
+def test_the_context_is_pushed_only_when_not_current(tmp_path, fake, weights, current):
+    layer = _layer(tmp_path, fake, weights)
+    if current is not None:
+        fake.make_current(current)
+    v = layer.variants["grouped-sm_90a-m8-float32-final"]
+    pushes = fake.pushes
+    layer._launch(v, *launch_args(layer, v, 0))
+    assert fake.launches[-1][2] == 0, "launched outside the layer's context"
+    assert fake.current() == current, "the thread's current context moved"
+    assert fake.pushes - pushes == (0 if current == 0 else 1)
+
+
+# Input checks ----------------------------------------------------------------------------
+
+
+def _misaligned(t):
+    flat = torch.empty(t.numel() + 1, dtype=t.dtype)[1:]
+    return flat.view(t.shape).copy_(t)
+
+
+def _strided(t):
+    wide = torch.empty(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype)
+    return wide[..., ::2].copy_(t)
+
+
+FAULTS = {
+    "dtype": lambda t: t.to(torch.float16), "shape": lambda t: t[..., :-1],
+    "device": lambda t: move(t, 0), "strides": _strided, "alignment": _misaligned,
+    "type": lambda t: t.tolist(), "rank": lambda t: t[None],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+@pytest.mark.parametrize("which", ["x", "logits", "bias"])
+def test_checks_after_an_accepted_call_refuse_as_before(which, fault, monkeypatch):
+    """A call accepted once (its dtype names cached) does not make a bad one
+    pass: each fault of each tensor raises, with the message the checks give
+    without that cache."""
+    g = seeding.generator()
+    good = {"x": torch.randn(3, SHAPE.hidden, generator=g).to(torch.bfloat16),
+            "logits": torch.randn(3, SHAPE.experts, generator=g),
+            "bias": torch.randn(SHAPE.experts, generator=g)}  # fmt: skip
+    bad = {**good, which: FAULTS[fault](good[which])}
+    monkeypatch.setattr(runtime.inputs, "_ACCEPTED", {})
+    with pytest.raises(InputError) as cold:
+        check_call(*bad.values(), SHAPE, CPU, BOTH)
+    assert check_call(*good.values(), SHAPE, CPU, BOTH) == 3
+    assert runtime.inputs._ACCEPTED, "an accepted call cached nothing"
+    with pytest.raises(InputError) as warm:
+        check_call(*bad.values(), SHAPE, CPU, BOTH)
+    assert str(warm.value) == str(cold.value)
+    for m in (0, 65):  # M out of range, after the cache too
+        x, logits = (good[n][:1].expand(m, -1).contiguous() for n in ("x", "logits"))
+        with pytest.raises(InputError, match=rf"in 1..64, found {m}"):
+            check_call(x, logits, good["bias"], SHAPE, CPU, BOTH)
