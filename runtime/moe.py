@@ -163,6 +163,10 @@ class MoELayer:
         #: bucket, and (M, bucket) -> the row of it that pads M rows.
         self._sources = pad_sources(max((v.tokens for v in artifact.variants), default=1), device)
         self._pad: dict[tuple[int, int], torch.Tensor] = {}
+        # The row tables and padding indices were made on the current stream;
+        # a first call on another stream must not read them half-written.
+        if torch.cuda.is_available() and not torch.cuda.is_current_stream_capturing():
+            torch.cuda.current_stream(device).synchronize()
 
     # Entries ------------------------------------------------------------------
 
