@@ -338,6 +338,54 @@ MUTATIONS = (
         "first, last = base * self.grid // size, (base + self.span) * self.grid // size",
         ("tests/test_grouped_plan.py::test_the_device_code_calls_the_plan_formulas",),
     ),
+    Mutation(
+        "grouped-depth-two-for-odd-inter", "kernels/grouped_plan.py",
+        "return DEPTH if (hidden // TILE) % DEPTH == 0 and (inter // TILE) % DEPTH == 0 else 1",
+        "return DEPTH if (hidden // TILE) % DEPTH == 0 else 1",
+        ("tests/test_grouped_plan.py::test_stage_depth_divides_both_k_extents",),
+    ),
+    Mutation(
+        "mega-gemm2-tile-unclamped", "kernels/mega_plan.py",
+        "    return minimum(tile, plan.tiles_out - 1)\n",
+        "    return tile\n",
+        ("tests/test_mega_plan.py::test_a_cluster_streams_each_weight_box_of_its_expert_once",),
+    ),
+    Mutation(
+        "mega-stores-a-tile-past-the-output", "kernels/mega_plan.py",
+        "    return rank * plan.tiles2 + t < plan.tiles_out\n",
+        "    return rank * plan.tiles2 + t <= plan.tiles_out\n",
+        ("tests/test_mega_plan.py::test_a_cluster_streams_each_weight_box_of_its_expert_once",),
+    ),
+    Mutation(
+        "mega-finalize-slice-past-h", "kernels/mega_plan.py",
+        "    return minimum(plan.rows2, plan.hidden - rank * plan.rows2)\n",
+        "    return plan.rows2\n",
+        ("tests/test_mega_plan.py::test_every_slice_of_final_has_one_last_arriver",),
+    ),
+    Mutation(
+        "mega-split-ignores-k-blocks", "kernels/mega_plan.py",
+        "           and nk1 % (split * 2) == 0):",
+        "           and nk1 >= 0):",
+        ("tests/test_mega_plan.py::test_a_cluster_streams_each_weight_box_of_its_expert_once",),
+    ),
+    Mutation(
+        "mega-tmem-accumulators-round-down", "kernels/mega_plan.py",
+        "        return -(-self.blocks1 // self.config.b_rows)\n",
+        "        return self.blocks1 // self.config.b_rows\n",
+        ("tests/test_mega_sm100.py::test_tmem_columns_cover_every_accumulator",),
+    ),
+    Mutation(
+        "routing-group-ties-to-the-higher-group", "kernels/routing.py",
+        "ahead = ahead + ops.select(totals[h] >= totals[g], one, zero)",
+        "ahead = ahead + ops.select(totals[h] > totals[g], one, zero)",
+        ("tests/test_routing_groups.py::test_hand_computed_groups_and_ties",),
+    ),
+    Mutation(
+        "routing-group-runner-up-lane-local", "kernels/routing.py",
+        "runner = ops.redux_max(ops.select(lane_u == holder, second, first))",
+        "runner = ops.redux_max(ops.select(lane_u == holder, second, second))",
+        ("tests/test_routing_groups.py::test_random_tokens_match_the_reference",),
+    ),
 )  # fmt: skip
 
 
