@@ -27,8 +27,8 @@ install: $(VENV)/.installed
 build: install
 	$(VENV)/bin/moe-build compile $(CONFIG) -o $(OUT) --jobs $(JOBS)
 
-## build-all: every config under configs/ that validates, each into artifacts/<name>
-## (measured on 2 cores, uncached: glm5 58 s, glm5-tp8 44 s, kimi-k2-tp8 63 s; 3 min in all)
+## build-all: every config under configs/ that validates (all seven), each into artifacts/<name>
+## (2 cores, uncached, beside other jobs: 75-273 s a config, 15 min in all; configs/README.md)
 build-all: install
 	@for c in configs/*.yaml; do n=$$(basename $$c .yaml); \
 	  if $(VENV)/bin/moe-build validate $$c >/dev/null 2>&1; then \
