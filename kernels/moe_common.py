@@ -89,7 +89,9 @@ def _route_keys(logits, bias, lane, experts: cutlass.Constexpr[int],
     (l + 32 j), as two register tensors. ``routing`` (``kernels.spec.Routing``,
     fixed at compile time): scores are the sigmoid of each logit, or the
     softmax over the token's experts (``e^(l - max) / sum``: the max and the
-    sum over the warp); the bias is added only when ``routing.bias``; with
+    sum over the warp, butterflies, so every lane gets the same values;
+    ``ex2.approx.ftz`` makes a score below ~1e-38 of the best 0); the bias
+    is added only when ``routing.bias``; with
     ``routing.limits_groups`` the keys outside the token's kept groups are
     ``routing.MASKED_KEY`` (``_keep_groups``)."""
     per = experts // 32
