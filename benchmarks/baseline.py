@@ -2,11 +2,13 @@
 it in plain torch, for the benchmark to compare against.
 
 Weights are dequantized to BF16 once (block scales folded in); each call
-routes with torch (sigmoid, top-k), quantizes the tokens to FP8 per 128 and
+routes with torch as the model does (score function, bias, groups, top-k:
+``runtime.reference.route_for``), quantizes the tokens to FP8 per 128 and
 back (the same numerics as the kernels' activation quantization), then runs
-two BF16 matmuls per distinct expert on that expert's tokens, the clamped
-SwiGLU, the FP8 hidden quantization round trip, and a weighted scatter-add;
-the shared expert runs on every token. It syncs with the host once per call
+two BF16 matmuls per distinct expert on that expert's tokens, the SwiGLU
+(clamped where the model clamps it), the FP8 hidden quantization round
+trip, and a weighted scatter-add; the shared expert, where the model has
+one, runs on every token. It syncs with the host once per call
 (to learn which experts were picked), as such code does, so it cannot be
 captured in a CUDA graph: ``benchmarks.bench`` times it eagerly.
 """
@@ -17,7 +19,7 @@ import torch
 
 from runtime.layout import ExpertWeights, MoEWeights, unprepare
 from runtime.model import TILE, MoEShape
-from runtime.reference import quantize_activations, quantize_hidden, route, swiglu
+from runtime.reference import quantize_activations, quantize_hidden, route_for, swiglu
 
 
 def _dequantize(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -28,7 +30,8 @@ def _dequantize(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 class TorchMoE:
-    """Plain-torch MoE over prepared weights (see module docstring)."""
+    """Plain-torch MoE over prepared weights (see module docstring); no
+    shared expert where ``weights.shared`` is None."""
 
     def __init__(self, weights: MoEWeights, shape: MoEShape):
         self.shape = shape
@@ -51,10 +54,12 @@ class TorchMoE:
         ad = (aq.float().view(a.shape[0], -1, TILE) * sh[..., None]).view_as(a)
         return ad.to(torch.bfloat16) @ w2.t()
 
-    def __call__(self, x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        """BF16 [M, H] MoE output."""
+    def __call__(
+        self, x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """BF16 [M, H] MoE output; ``bias`` FP32 [E], None for a model without one."""
         s = self.shape
-        ids, weights = route(logits, bias, s.top_k, s.routed_scale)
+        ids, weights = route_for(logits, bias, s)
         xq, sx = quantize_activations(x, s.ue8m0)
         m = x.shape[0]
         xd = (xq.float().view(m, -1, TILE) * sx[..., None]).view(m, -1).to(torch.bfloat16)

@@ -5,17 +5,26 @@ same run, after checking each case against the float64 reference.
 Method:
 - Copy bandwidth: a 2 GiB device-to-device copy, bytes read + written over
   the median time of 20 copies.
-- Router logits N(0, 1) per (token, expert), a fresh draw for every call from a
-  pool; the per-expert bias is fixed per run: N(0, 0.1) "random", 0
-  "uniform", N(0, 1) "skewed".
+- Inputs are of the artifact's model (``MoEShape``): tokens N(0, 1), router
+  logits N(0, 1) per (token, expert), a fresh draw for every call from a
+  pool. The routing kind sets a standard deviation ``ROUTINGS[kind]``
+  (0.1 "random", 0 "uniform", 1 "skewed") and one per-expert draw fixed for
+  the case's pool (``routing_inputs``, ``routing_rule``): for a model that
+  routes with a score-correction bias, the bias N(0, std); for one without
+  (``shape.bias`` false: bias None in every call), a logit offset
+  N(0, ``LOGIT_SKEW`` * std) added to every token's logits, which skews
+  selection as that bias would near a sigmoid score of 1/2. Expert choice is
+  the model's routing (score function, bias, groups:
+  ``runtime.reference.route_for``).
 - Each timed case is a CUDA graph of ``POOL`` calls, each on its own inputs
   and on one of ``COPIES`` separately bound copies of the weights (so no call
-  finds its weights in L2: a layer's 1.7 GB is 28x the L2, and one token's
-  50 MB is not read twice in a row); the graph is replayed ``reps`` times
+  finds its weights in L2: GLM-5's layer of 1.7 GB is 28x the L2, and one
+  token's 50 MB is not read twice in a row); the graph is replayed ``reps`` times
   after a warm-up, and the per-call time is replay time / POOL (median, min,
   max over replays).
 - ``weight_bytes`` = bytes of the distinct experts the calls touch (mean over
-  the pool), plus the shared expert where computed; ``tb_s`` =
+  the pool), plus the shared expert where computed (never for a model
+  without one, ``shape.shared_experts`` 0); ``tb_s`` =
   weight_bytes / time; ``floor_fraction`` = tb_s / copy bandwidth.
 - ``host_us``: the host (CPU) time of issuing one eager call, microseconds:
   the median over ``HOST_CALLS`` calls of the wall time from the call to its
@@ -45,17 +54,23 @@ from pathlib import Path
 import torch
 
 from runtime.model import MoEShape
-from runtime.reference import moe_reference, tie_margin
+from runtime.reference import moe_reference, route_for, tie_margin
 
-ROUTINGS = {"random": 0.1, "uniform": 0.0, "skewed": 1.0}  # bias standard deviation
+#: Routing kind -> standard deviation of the per-expert skew: the bias of a
+#: model that has one, else (times ``LOGIT_SKEW``) a logit offset.
+ROUTINGS = {"random": 0.1, "uniform": 0.0, "skewed": 1.0}
+#: Logit offset per unit of bias for a model without a bias: 1 / sigmoid'(0),
+#: the logit shift that moves a sigmoid score of 1/2 as much as the bias does.
+LOGIT_SKEW = 4.0
 POOL = 8  # calls per captured graph, each on its own inputs
 COPIES = 4  # separately bound weight copies the calls rotate over
 #: Correctness bar (relative L2 against the float64 reference) per kind of row:
 #: the kernels' bar is docs/semantics.md's ("Accuracy bar"); the BF16 baseline
 #: rounds every dequantized weight to 8 mantissa bits (measured 1.6e-2).
 TOLERANCE = {"mega": 1e-2, "grouped": 1e-2, "layer": 1e-2, "baseline": 3e-2}
-#: Tokens whose top-(k+1) keys are closer than this may be routed differently
-#: by a kernel's approximate sigmoid; they are counted apart, not failed.
+#: Tokens whose top-(k+1) keys (or kept/dropped group scores) are closer than
+#: this may be routed differently by a kernel's approximate score function;
+#: they are counted apart, not failed (``tie_margins``).
 NEAR_TIE = 1e-5
 #: Calls on fresh inputs whose pooled error decides a case. One call at M = 1
 #: is one token's rows, and one hidden FP8 code flipped by accumulation order
@@ -160,18 +175,53 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30, reps: int = 20) 
     return 2 * nbytes / statistics.median(times) / 1e12
 
 
+def routing_rule(shape: MoEShape) -> dict:
+    """How the routing kinds skew ``shape``'s routing (recorded in the result
+    JSON): ``skews`` "bias" or "logits", ``std`` kind -> standard deviation
+    of the per-expert draw, ``rule`` in words."""
+    if shape.bias:
+        std, skews = dict(ROUTINGS), "bias"
+        rule = "per-expert bias N(0, std), fixed for a case's pool; logits N(0, 1)"
+    else:
+        std = {kind: LOGIT_SKEW * s for kind, s in ROUTINGS.items()}
+        skews = "logits"
+        rule = (f"no bias (the model has none): logits N(0, 1) plus a per-expert offset "
+                f"N(0, std) = N(0, {LOGIT_SKEW:g} x the bias std), fixed for a case's pool")  # fmt: skip
+    return {"skews": skews, "std": std, "rule": rule}
+
+
 def routing_inputs(kind: str, m: int, shape: MoEShape, pool: int, g: torch.Generator, device):
-    """Tokens [pool, M, H] BF16, logits [pool, M, E] FP32 and the run's bias [E]."""
+    """Inputs of ``pool`` calls of M tokens for routing ``kind``
+    (``routing_rule``): tokens [pool, M, H] BF16, logits [pool, M, E] FP32,
+    and the bias [E] FP32 shared by the pool's calls (None for a model
+    without a bias, whose logits carry the skew instead)."""
     x = torch.randn(pool, m, shape.hidden, generator=g, device=device).bfloat16()
     logits = torch.randn(pool, m, shape.experts, generator=g, device=device)
-    bias = torch.randn(shape.experts, generator=g, device=device) * ROUTINGS[kind]
-    return x, logits, bias
+    skew = torch.randn(shape.experts, generator=g, device=device) * routing_rule(shape)["std"][kind]
+    if shape.bias:
+        return x, logits, skew
+    return x, logits + skew, None
 
 
-def distinct_experts(logits: torch.Tensor, bias: torch.Tensor, top_k: int) -> float:
-    """Mean number of distinct routed experts per call over a pool of logits."""
-    keys = torch.sigmoid(logits.float()) + bias
-    ids = keys.topk(top_k, dim=-1).indices  # [pool, M, k]
+def route_ids(logits: torch.Tensor, bias: torch.Tensor | None, shape: MoEShape) -> torch.Tensor:
+    """int32 [..., M, top_k]: ``shape``'s expert choice (``route_for``) for
+    logits [..., M, E] (any leading dims: a pool of calls)."""
+    flat = logits.reshape(-1, shape.experts)
+    return route_for(flat, bias, shape)[0].view(*logits.shape[:-1], shape.top_k)
+
+
+def tie_margins(logits: torch.Tensor, bias: torch.Tensor | None, shape: MoEShape) -> torch.Tensor:
+    """FP32 [M]: ``runtime.reference.tie_margin`` of [M, E] logits under
+    ``shape``'s routing (score function, bias, groups); a token below
+    ``NEAR_TIE`` is a near tie."""
+    return tie_margin(logits, bias if shape.bias else None, shape.top_k, score=shape.score,
+                      groups=shape.groups, groups_kept=shape.groups_kept)  # fmt: skip
+
+
+def distinct_experts(logits: torch.Tensor, bias: torch.Tensor | None, shape: MoEShape) -> float:
+    """Mean number of distinct routed experts per call over a pool of logits
+    [pool, M, E], routed as ``shape`` routes (``route_ids``)."""
+    ids = route_ids(logits, bias, shape)  # [pool, M, k]
     return statistics.mean(len(torch.unique(ids[p])) for p in range(ids.shape[0]))
 
 
@@ -287,7 +337,8 @@ class Bench:
         self.g = torch.Generator(device=self.device).manual_seed(
             seed if seed is not None else int.from_bytes(os.urandom(4), "little")
         )
-        log(f"weights: {COPIES} random copies of {self.shape.experts} experts + shared")
+        shared = " + shared" if self.shape.shared_experts else " (no shared expert)"
+        log(f"weights: {COPIES} random copies of {self.shape.experts} experts{shared}")
         self.copies = []
         self.checkpoints = None
         for i in range(COPIES):
@@ -307,8 +358,11 @@ class Bench:
     # What a row reads --------------------------------------------------------------
 
     def _bytes(self, distinct: float, shared: bool) -> int:
+        """Weight bytes of a call touching ``distinct`` routed experts, plus
+        the shared expert where the case computes it (``shared``) and the
+        model has one."""
         per = self.shape.expert_bytes
-        return int(round(distinct * per + (per if shared else 0)))
+        return int(round(distinct * per + (per * self.shape.shared_experts if shared else 0)))
 
     def _row(
         self, kernel, m, routing, distinct, shared, times, check: Check, host=None, **extra
@@ -338,7 +392,7 @@ class Bench:
         x, logits, bias = routing_inputs(routing, m, self.shape, CHECK_CALLS, self.g, self.device)
         sums, ties = [], 0
         for c in range(CHECK_CALLS):
-            ties += int((tie_margin(logits[c], bias, self.shape.top_k) < NEAR_TIE).sum())
+            ties += int((tie_margins(logits[c], bias, self.shape) < NEAR_TIE).sum())
             parts = self._outputs(kind, finalize, x[c], logits[c], bias)
             sums.append(torch.stack([error_sums(got, want) for got, want in parts]))
         rel, worst, max_abs = pool_errors(torch.stack(sums))
@@ -346,9 +400,10 @@ class Bench:
 
     def _outputs(self, kind, finalize, x, logits, bias) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(got, float64 reference) of each output part of one call: routed
-        rows (on the kernel's own expert choice) and shared rows for a kernel
-        call, the MoE output for the layer, the baseline and a finalizing
-        grouped call."""
+        rows (on the kernel's own expert choice) and, for a model with a
+        shared expert, shared rows for a kernel call (the grouped kernel's
+        shared rows of a model without one are not written); the MoE output
+        for the layer, the baseline and a finalizing grouped call."""
         routed, shared = self.checkpoints
         layer = self.checker
 
@@ -369,7 +424,7 @@ class Bench:
             out, ids, _, sh = layer.grouped(x, logits, bias)
         ref = reference(ids)
         parts = [(out, ref.out)]
-        if sh is not None:
+        if self.shape.shared_experts and sh is not None:
             parts.append((sh, ref.shared))
         return parts
 
@@ -380,7 +435,7 @@ class Bench:
         call, host us of each eager call or None) of one case on ``POOL``
         fresh inputs."""
         x, logits, bias = routing_inputs(routing, m, self.shape, POOL, self.g, self.device)
-        distinct = distinct_experts(logits, bias, self.shape.top_k)
+        distinct = distinct_experts(logits, bias, self.shape)
         if kind == "baseline":
             calls = [lambda p=p: self.baseline(x[p], logits[p], bias) for p in range(POOL)]
             times = []
@@ -430,7 +485,7 @@ class Bench:
                 for kind, fin, bucket in cases:
                     check = self.check(kind, m, routing, fin)
                     distinct, times, host = self.time_case(kind, m, routing, fin)
-                    shared = kind != "mega" or mega_shared
+                    shared = kind != "mega" or mega_shared  # _bytes: where the model has one
                     extra = {"finalize": fin} if kind == "grouped" else {}
                     row = self._row(
                         kind, m, routing, distinct, shared, times, check, host, bucket=bucket,
@@ -450,8 +505,10 @@ class Bench:
 
     def result(self, rows: list[Row]) -> dict:
         """The result JSON of ``rows``: device, driver, SMs, copy bandwidth,
-        commit, date, toolchain and artifact; the method's constants; the
-        mega/grouped crossover; every row."""
+        commit, date, toolchain and artifact (config name, hash and the
+        model's ``MoEShape``); the method's constants (``routing``: how the
+        routing kinds skew this model, ``routing_rule``); the mega/grouped
+        crossover; every row."""
         facts = device_facts(self.device)
         manifest = self.artifact.manifest
         return {
@@ -460,7 +517,11 @@ class Bench:
             "commit": commit_id(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "toolchain": manifest.get("toolchain"),
-            "artifact": {"config": self.config["name"], "config_hash": manifest["config_hash"]},
+            "artifact": {
+                "config": self.config["name"],
+                "config_hash": manifest["config_hash"],
+                "model": self.shape.to_dict(),
+            },
             "method": {
                 "pool": POOL,
                 "weight_copies": COPIES,
@@ -469,6 +530,7 @@ class Bench:
                 "near_tie": NEAR_TIE,
                 "check_calls": CHECK_CALLS,
                 "host_calls": HOST_CALLS,
+                "routing": routing_rule(self.shape),
             },  # fmt: skip
             "crossover": crossover(rows),
             "rows": [asdict(r) for r in rows],

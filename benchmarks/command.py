@@ -30,7 +30,9 @@ def _tokens(_ctx, _param, value: str) -> list[int]:
               help="Comma-separated token counts M to time.")  # fmt: skip
 @click.option("--routing", "routings", multiple=True, default=("random",), show_default=True,
               type=click.Choice(["random", "uniform", "skewed"]),
-              help="Router bias: random N(0,0.1), uniform 0, skewed N(0,1) (repeatable).")  # fmt: skip
+              help="Router skew: bias random N(0,0.1), uniform 0, skewed N(0,1); a model "
+                   "without a bias gets a per-expert logit offset instead "
+                   "(benchmarks.bench.routing_rule) (repeatable).")  # fmt: skip
 @click.option("--reps", default=50, show_default=True, help="Graph replays per case.")
 @click.option("--seed", type=int, default=None, help="Seed of weights and inputs (default: fresh).")
 @click.option(
@@ -41,7 +43,9 @@ def bench(artifact, tokens, routings, reps, seed, json_out, plot_out) -> None:
     """Time ARTIFACT's kernels and full layer on this GPU.
 
     For each routing and token count M: the layer entry, each kernel variant
-    of bucket M, and a plain-torch baseline, each checked against the float64
+    of bucket M, and a plain-torch baseline, on inputs of ARTIFACT's model
+    (its routing family, bias or not, shared expert or not; the routing
+    rule is in the result JSON's method.routing), each checked against the float64
     reference on fresh inputs (the error pooled over several calls), then timed
     by CUDA graph replay with weights rotated over several copies so L2 cannot
     hold them. Reports time, eager host time per call, weight bytes, TB/s and

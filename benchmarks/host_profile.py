@@ -7,7 +7,8 @@ For each M: the median wall time of issuing one call without synchronizing
 (as ``moe-build bench`` reports it), then a ``cProfile`` of ``calls`` more
 calls with the functions that took the most time, excluding what they call
 (``tottime``), so the table names the steps worth removing or caching. Needs
-a GPU; weights are random.
+a GPU; weights are random, inputs the benchmark's "random" routing of the
+artifact's model (``benchmarks.bench.routing_inputs``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ def main(argv=None) -> int:
     p.add_argument("--top", type=int, default=18)
     args = p.parse_args(argv)
     import runtime
+    from benchmarks.bench import routing_inputs
     from runtime.layout import random_moe_weights
 
     device = torch.device("cuda", torch.cuda.current_device())
@@ -39,9 +41,8 @@ def main(argv=None) -> int:
     s = artifact.shape
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[layer.dtypes[0]]
     for m in (int(t) for t in args.tokens.split(",")):
-        x = torch.randn(m, s.hidden, device=device, generator=gen).bfloat16()
-        logits = torch.randn(m, s.experts, device=device, generator=gen).to(dtype)
-        bias = torch.randn(s.experts, device=device, generator=gen) * 0.1
+        xs, logits, bias = routing_inputs("random", m, s, 1, gen, device)  # bias None: no bias
+        x, logits = xs[0], logits[0].to(dtype)
         for _ in range(20):
             layer(x, logits, bias)
         torch.cuda.synchronize(device)

@@ -185,13 +185,15 @@ class MoELayer:
 
     def grouped(self, x, logits, bias, finalize: bool = False):
         """Routed plus shared expert by the grouped kernel: (out, ids, weights,
-        shared), or with ``finalize`` the BF16 [M, H] MoE output."""
+        shared) (``shared`` None without a shared expert), or with
+        ``finalize`` the BF16 [M, H] MoE output."""
         m, dtype = self._check(x, logits, bias, "grouped")
         variant = self._variant(self._step("grouped", m, dtype, finalize), dtype)
         block, layout = self._run(variant, x, logits, bias, m)
         if finalize:
             return layout.view(block, "final", m)
-        return (*self._crop(layout, block, m), layout.view(block, "shared_out", m))
+        shared = layout.view(block, "shared_out", m) if self.shape.shared_experts else None
+        return (*self._crop(layout, block, m), shared)
 
     def __call__(self, x, logits, bias):
         """The MoE layer's output BF16 [M, H] for any M >= 1: one launch up to

@@ -16,6 +16,38 @@ def artifact_paths(env: str) -> list[Path]:
     return [Path(p) for p in joined.split(os.pathsep)] if joined else []
 
 
+#: The package suffix an artifact file carries (artifacts/README.md).
+PACKAGE = ".tar.zst"
+
+
+def is_artifact(path: Path) -> bool:
+    """Whether ``path`` is an artifact: a directory holding manifest.json, or
+    a ``.tar.zst`` package file."""
+    return (path / "manifest.json").is_file() or (path.is_file() and path.name.endswith(PACKAGE))
+
+
+def model_artifacts(env: str = "MOE_MODEL_ARTIFACTS") -> list[Path]:
+    """The artifacts named by ``$env`` (paths joined by os.pathsep), else by
+    ``$MOE_BUILD_ARTIFACT``: a path that is an artifact (``is_artifact``)
+    stands for itself; any other directory for every artifact directly in it
+    (one per config, as ``make build-all`` leaves them in artifacts/), sorted
+    by name. A path that does not exist is kept, for the test to skip."""
+    found = []
+    for path in artifact_paths(env):
+        if path.is_dir() and not is_artifact(path):
+            found += sorted(p for p in path.iterdir() if is_artifact(p))
+        else:
+            found.append(path)
+    return found
+
+
+def artifact_name(path: Path | None) -> str:
+    """A test id for ``path``: its name less the package suffix ("none" for None)."""
+    if path is None:
+        return "none"
+    return path.name[: -len(PACKAGE)] if path.name.endswith(PACKAGE) else path.name
+
+
 def bind_fresh(path: Path | None, env: str, kernel: str):
     """(artifact, poisoned layer, (prepared, routed, shared) weights) of the
     artifact at ``path``; skips without a GPU, a path, or a ``kernel`` variant

@@ -2,7 +2,9 @@
 of each mega ABI, an artifact that launches nothing, and ``TaggedLayer``,
 the real ``MoELayer`` whose launch writes ``tags`` (exact per-token functions
 of its inputs) instead of running a kernel, so every output the layer
-returns can be predicted from the caller's rows."""
+returns can be predicted from the caller's rows; and ``ReferenceLayer``, the
+layer's entries computed by the float32 reference, for tests of code that
+checks a layer (the benchmark, tests/gpu/test_models_gpu.py)."""
 
 from __future__ import annotations
 
@@ -111,3 +113,41 @@ class TaggedLayer(MoELayer):
         for name, value in results.items():
             if name not in self.skip:
                 layout.view(block, name).copy_(value)
+
+
+class ReferenceLayer:
+    """Stands in for a bound layer (``mega``, ``grouped``, the call,
+    ``dtypes``, ``device``): the float32 reference of ``shape``, outputs
+    BF16-rounded. As runtime.moe's layer, it refuses a bias for a model
+    without one (and None for one with one); for a model without a shared
+    expert ``mega(..., shared=True)`` gives None for the shared rows and
+    ``grouped`` gives rows the kernel never wrote (NaN: the poison)."""
+
+    def __init__(self, routed, shared, shape, dtypes=("float32", "bfloat16"), device="cpu"):
+        self.args = (routed, shared, shape)
+        self.dtypes, self.device = tuple(dtypes), torch.device(device)
+
+    def _ref(self, x, logits, bias):
+        from runtime.reference import moe_reference
+
+        shape = self.args[2]
+        assert (bias is not None) == shape.bias, (bias, shape.bias)
+        return moe_reference(x, logits, bias, *self.args)
+
+    def mega(self, x, logits, bias, shared=False):
+        r = self._ref(x, logits, bias)
+        out = (r.out.bfloat16(), r.ids, r.weights)
+        if not shared:
+            return out
+        return (*out, None if r.shared is None else r.shared.bfloat16())
+
+    def grouped(self, x, logits, bias, finalize=False):
+        r = self._ref(x, logits, bias)
+        if finalize:
+            return r.final.bfloat16()
+        # Without a shared expert there are no shared rows (as runtime.moe).
+        rows = None if r.shared is None else r.shared.bfloat16()
+        return r.out.bfloat16(), r.ids, r.weights, rows
+
+    def __call__(self, x, logits, bias):
+        return self._ref(x, logits, bias).final.bfloat16()

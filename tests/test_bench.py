@@ -10,10 +10,12 @@ import pytest
 import seeding
 import torch
 from click.testing import CliRunner
+from layer_fakes import ReferenceLayer
 
 from benchmarks import bench as bench_module
 from benchmarks.bench import (
     CHECK_CALLS,
+    LOGIT_SKEW,
     ROUTINGS,
     TOLERANCE,
     Bench,
@@ -23,16 +25,23 @@ from benchmarks.bench import (
     crossover,
     distinct_experts,
     pool_errors,
+    route_ids,
     routing_inputs,
+    routing_rule,
+    tie_margins,
     time_host,
 )
 from benchmarks.command import summary, table
 from pipeline.cli import main
 from runtime.layout import random_moe_weights
 from runtime.model import MoEShape
-from runtime.reference import moe_reference, rel_l2
+from runtime.reference import moe_reference, rel_l2, route_for, tie_margin
 
 SHAPE = MoEShape(256, 128, 64, 4, 2.5, 10.0, False, 1)
+#: Qwen3's family: softmax scores, no bias, no shared expert, no clamp.
+SOFTMAX = MoEShape(256, 128, 64, 4, 1.0, None, False, 0, score="softmax", bias=False)
+#: DeepSeek-V3's family: sigmoid + bias, 8 groups of which 4 are kept.
+GROUPED_ROUTING = MoEShape(256, 128, 64, 4, 2.5, None, False, 1, groups=8, groups_kept=4)
 
 
 def _row(kernel, m, t, finalize=None, host_us=None):
@@ -42,16 +51,87 @@ def _row(kernel, m, t, finalize=None, host_us=None):
                finalize=finalize, host_us=host_us)  # fmt: skip
 
 
-def test_routing_bias_spread_sets_distinct_experts():
+@pytest.mark.parametrize("shape", [SHAPE, SOFTMAX, GROUPED_ROUTING],
+                         ids=["sigmoid-bias", "softmax-no-bias", "groups"])  # fmt: skip
+def test_routing_spread_sets_distinct_experts(shape):
+    """Every routing kind skews every family: skewed routing concentrates
+    tokens on fewer experts than uniform routing, through the bias or (a
+    model without one) the logits."""
     g = torch.Generator().manual_seed(0)
     counts = {}
     for kind in ROUTINGS:
-        _, logits, bias = routing_inputs(kind, 16, SHAPE, 8, g, "cpu")
-        assert logits.shape == (8, 16, 64) and bias.shape == (64,)
-        counts[kind] = distinct_experts(logits, bias, SHAPE.top_k)
-    # Skewed routing concentrates tokens on fewer experts than uniform routing.
-    assert counts["skewed"] < counts["random"] <= counts["uniform"] + 2
+        x, logits, bias = routing_inputs(kind, 16, shape, 8, g, "cpu")
+        assert x.shape == (8, 16, 256) and logits.shape == (8, 16, 64)
+        assert (bias.shape == (64,)) if shape.bias else bias is None
+        counts[kind] = distinct_experts(logits, bias, shape)
+    assert counts["skewed"] < counts["random"] <= counts["uniform"] + 2, counts
     assert 1 <= counts["skewed"] and counts["uniform"] <= 64
+
+
+def test_glm5_family_inputs_and_distinct_experts_are_unchanged():
+    """For sigmoid + bias without groups (GLM-5, the committed results) the
+    draws are tokens, logits, then bias N(0, std), and distinct experts the
+    plain top-k of sigmoid(logits) + bias, as before the routing families."""
+    for kind, std in ROUTINGS.items():
+        x, logits, bias = routing_inputs(kind, 4, SHAPE, 3, torch.Generator().manual_seed(3), "cpu")
+        g = torch.Generator().manual_seed(3)
+        assert torch.equal(x, torch.randn(3, 4, 256, generator=g).bfloat16())
+        assert torch.equal(logits, torch.randn(3, 4, 64, generator=g))
+        assert torch.equal(bias, torch.randn(64, generator=g) * std)
+        ids = (torch.sigmoid(logits) + bias).topk(SHAPE.top_k, dim=-1).indices
+        plain = statistics.mean(len(torch.unique(ids[p])) for p in range(3))
+        assert distinct_experts(logits, bias, SHAPE) == plain
+
+
+def test_routing_rule_skews_the_bias_or_the_logits():
+    """A model with a bias gets it N(0, std) over plain N(0, 1) logits; one
+    without gets the same draw, times LOGIT_SKEW, added to every token's
+    logits (a per-expert offset, the same for the pool's calls)."""
+    assert routing_rule(SHAPE)["skews"] == "bias" and routing_rule(SHAPE)["std"] == ROUTINGS
+    rule = routing_rule(SOFTMAX)
+    assert rule["skews"] == "logits" and "no bias" in rule["rule"]
+    assert rule["std"] == {k: LOGIT_SKEW * v for k, v in ROUTINGS.items()}
+    for kind in ROUTINGS:
+        _, biased, bias = routing_inputs(kind, 3, SHAPE, 5, torch.Generator().manual_seed(7), "cpu")
+        _, skewed, none = routing_inputs(kind, 3, SOFTMAX, 5, torch.Generator().manual_seed(7),
+                                         "cpu")  # fmt: skip
+        assert none is None
+        # Same draws: the offset is LOGIT_SKEW x the bias, on every token of every call.
+        torch.testing.assert_close(skewed - biased, (LOGIT_SKEW * bias).expand(5, 3, -1))
+
+
+@pytest.mark.parametrize("shape", [SHAPE, SOFTMAX, GROUPED_ROUTING],
+                         ids=["sigmoid-bias", "softmax-no-bias", "groups"])  # fmt: skip
+def test_distinct_experts_and_ties_follow_the_model_routing(shape):
+    """Expert choice and near-tie margins are the reference's routing of the
+    model (route_for, tie_margin with its score function and groups), per
+    call of a pool."""
+    g = seeding.generator()
+    _, logits, bias = routing_inputs("random", 6, shape, 4, g, "cpu")
+    ids = route_ids(logits, bias, shape)
+    assert ids.shape == (4, 6, shape.top_k)
+    counts = []
+    for p in range(4):
+        want, _ = route_for(logits[p], bias, shape)
+        assert torch.equal(ids[p], want)
+        counts.append(len(set(want.view(-1).tolist())))
+        margin = tie_margin(logits[p], bias, shape.top_k, score=shape.score,
+                            groups=shape.groups, groups_kept=shape.groups_kept)  # fmt: skip
+        assert torch.equal(tie_margins(logits[p], bias, shape), margin)
+    assert distinct_experts(logits, bias, shape) == statistics.mean(counts)
+    if shape.groups_kept < shape.groups:  # no token's experts lie outside its kept groups
+        per_group = shape.experts // shape.groups
+        for token in ids.view(-1, shape.top_k).tolist():
+            assert len({e // per_group for e in token}) <= shape.groups_kept
+
+
+def test_distinct_experts_of_a_group_limited_model_differ_from_plain_top_k():
+    """With groups dropped, expert choice is not the plain top-k of the keys
+    (the bench must route as the model does)."""
+    g = seeding.generator()
+    _, logits, bias = routing_inputs("uniform", 64, GROUPED_ROUTING, 2, g, "cpu")
+    plain = dataclasses.replace(GROUPED_ROUTING, groups=1, groups_kept=1)
+    assert not torch.equal(route_ids(logits, bias, GROUPED_ROUTING), route_ids(logits, bias, plain))
 
 
 def test_speedups_and_crossover():
@@ -107,47 +187,28 @@ def test_bench_refuses_bad_tokens_and_needs_a_gpu(tmp_path):
         assert r.exit_code == 2 and "needs a CUDA GPU" in r.output
 
 
-def test_torch_baseline_matches_the_reference():
+@pytest.mark.parametrize(
+    "shape",
+    [MoEShape(512, 256, 64, 4, 2.5, 10.0, False, 1),
+     dataclasses.replace(SOFTMAX, hidden=512, inter=256),
+     dataclasses.replace(GROUPED_ROUTING, hidden=512, inter=256)],
+    ids=["glm5-family", "softmax-no-bias-no-shared", "groups"],
+)  # fmt: skip
+def test_torch_baseline_matches_the_reference(shape):
     from benchmarks.baseline import TorchMoE
 
-    shape = MoEShape(512, 256, 64, 4, 2.5, 10.0, False, 1)
     g = seeding.generator()
     prepared, routed, shared = random_moe_weights(shape, g)
-    x = torch.randn(5, shape.hidden, generator=g).bfloat16()
-    logits = torch.randn(5, shape.experts, generator=g)
-    bias = torch.randn(shape.experts, generator=g) * 0.1
+    assert (prepared.shared is None) == (shape.shared_experts == 0)
+    x, logits, bias = (t if t is None or t.dim() == 1 else t[0]
+                       for t in routing_inputs("random", 5, shape, 1, g, "cpu"))  # fmt: skip
     want = moe_reference(x, logits, bias, routed, shared, shape, torch.float64).final
-    # BF16 weights: ~1.6e-2 here; a layout or gate/up mix-up lands near 1.
+    # BF16 weights: ~1.6e-2 here; a layout or gate/up mix-up lands near 1,
+    # and so would routing by another family's rule.
     assert rel_l2(TorchMoE(prepared, shape)(x, logits, bias), want) < TOLERANCE["baseline"]
 
 
-class _ReferenceLayer:
-    """Stands in for a bound layer: the float32 reference, BF16-rounded."""
-
-    def __init__(self, routed, shared, shape):
-        self.args = (routed, shared, shape)
-
-    def _ref(self, x, logits, bias):
-        from runtime.reference import moe_reference
-
-        return moe_reference(x, logits, bias, *self.args)
-
-    def mega(self, x, logits, bias, shared=False):
-        r = self._ref(x, logits, bias)
-        out = (r.out.bfloat16(), r.ids, r.weights)
-        return (*out, r.shared.bfloat16()) if shared else out
-
-    def grouped(self, x, logits, bias, finalize=False):
-        r = self._ref(x, logits, bias)
-        if finalize:
-            return r.final.bfloat16()
-        return r.out.bfloat16(), r.ids, r.weights, r.shared.bfloat16()
-
-    def __call__(self, x, logits, bias):
-        return self._ref(x, logits, bias).final.bfloat16()
-
-
-class _Skewed(_ReferenceLayer):
+class _Skewed(ReferenceLayer):
     """A reference layer whose call c's outputs are scaled by 1 + errors[c]
     (every output part), recording each call's inputs and outputs."""
 
@@ -159,7 +220,8 @@ class _Skewed(_ReferenceLayer):
     def _ref(self, x, logits, bias):
         r = super()._ref(x, logits, bias)
         s = 1 + self.errors[len(self.seen) % len(self.errors)]
-        return dataclasses.replace(r, out=r.out * s, shared=r.shared * s, final=r.final * s)
+        shared = None if r.shared is None else r.shared * s
+        return dataclasses.replace(r, out=r.out * s, shared=shared, final=r.final * s)
 
     def mega(self, x, logits, bias, shared=False):
         got = super().mega(x, logits, bias, shared)
@@ -178,7 +240,7 @@ def _bench(shape, g, layer=None):
     bench = Bench.__new__(Bench)
     bench.shape, bench.g, bench.device = shape, g, torch.device("cpu")
     bench.checkpoints = (routed, shared)
-    bench.checker = layer or _ReferenceLayer(routed, shared, shape)
+    bench.checker = layer or ReferenceLayer(routed, shared, shape)
     bench.baseline = bench.checker
     bench.artifact = SimpleNamespace(arch="sm_90a")
     bench.copy_tb_s = 4.0
@@ -198,8 +260,40 @@ def test_check_compares_every_kind_with_the_reference():
         assert c.rel_l2 < 1e-2 and c.max_abs < 0.1 and c.near_ties >= 0, (kind, fin, c)
         assert c.calls == CHECK_CALLS and c.rel_l2 <= c.rel_l2_worst_call
     routed, shared = random_moe_weights(CHECK_SHAPE, g)[1:]
-    bench.checker = _ReferenceLayer(routed, bench.checkpoints[1], CHECK_SHAPE)
+    bench.checker = ReferenceLayer(routed, bench.checkpoints[1], CHECK_SHAPE)
     assert bench.check("mega", 3, "random").rel_l2 > 0.5  # other weights: caught
+
+
+@pytest.mark.parametrize("shape", [dataclasses.replace(SOFTMAX, experts=32),
+                                   dataclasses.replace(GROUPED_ROUTING, experts=32)],
+                         ids=["softmax-no-bias-no-shared", "groups"])  # fmt: skip
+@pytest.mark.parametrize("routing", ["random", "skewed"])
+def test_check_of_other_families(shape, routing, monkeypatch):
+    """The check of a model without a bias passes None as the bias (the
+    stand-in layer asserts it); without a shared expert it compares no shared
+    rows (the grouped kernel's are unwritten, NaN here), so every kind
+    passes. (4 calls a check, for time.)"""
+    monkeypatch.setattr(bench_module, "CHECK_CALLS", 4)
+    g = seeding.generator()
+    bench = _bench(shape, g)
+    for kind, fin in (("mega", False), ("grouped", False), ("grouped", True), ("layer", False)):
+        c = bench.check(kind, 3, routing, fin)
+        assert c.rel_l2 < 1e-2 and c.max_abs < 0.1 and c.near_ties >= 0, (kind, fin, c)
+    routed, shared = random_moe_weights(shape, g)[1:]
+    bench.checker = ReferenceLayer(routed, shared, shape)  # other weights: caught
+    assert bench.check("grouped", 3, routing).rel_l2 > 0.5
+
+
+def test_check_counts_near_ties_with_the_model_routing(monkeypatch):
+    """A near tie is ``tie_margins`` below NEAR_TIE: with groups dropped, the
+    margin includes the gap between the last kept and first dropped group."""
+    g = seeding.generator()
+    shape = dataclasses.replace(GROUPED_ROUTING, experts=32)
+    monkeypatch.setattr(bench_module, "CHECK_CALLS", 4)
+    monkeypatch.setattr(bench_module, "NEAR_TIE", float("inf"))
+    assert _bench(shape, g).check("layer", 2, "random").near_ties == 2 * 4
+    monkeypatch.setattr(bench_module, "NEAR_TIE", 0.0)
+    assert _bench(shape, g).check("layer", 2, "random").near_ties == 0
 
 
 def test_pool_errors_is_the_error_of_the_rows_concatenated():
@@ -272,10 +366,11 @@ def test_row_takes_the_pooled_verdict_and_the_median_host_time():
     assert not bench._row("mega", 1, "skewed", 4.0, True, [10.0], bad).correct
 
 
-def test_result_records_the_check_calls(monkeypatch):
+@pytest.mark.parametrize("shape", [CHECK_SHAPE, SOFTMAX], ids=["glm5-family", "softmax"])
+def test_result_records_the_check_calls_model_and_routing_rule(shape, monkeypatch):
     monkeypatch.setattr(bench_module, "device_facts", lambda d: {"device": "GPU"})
     monkeypatch.setattr(bench_module, "commit_id", lambda: "abc")
-    bench = _bench(CHECK_SHAPE, seeding.generator())
+    bench = _bench(shape, seeding.generator())
     bench.artifact.manifest = {"config": {"name": "c"}, "config_hash": "h", "toolchain": None}
     bench.config, bench.reps = bench.artifact.manifest["config"], 5
     rows = [_row("layer", 1, 15.0, host_us=20.0), _row("baseline", 1, 900.0)]
@@ -283,6 +378,78 @@ def test_result_records_the_check_calls(monkeypatch):
     assert result["method"]["check_calls"] == CHECK_CALLS
     assert result["rows"][0]["host_us"] == 20.0 and result["rows"][1]["host_us"] is None
     assert "rel_l2_worst_call" in result["rows"][0]
+    assert result["artifact"]["model"] == shape.to_dict()
+    assert result["method"]["routing"] == routing_rule(shape)
+    assert result["method"]["routing"]["skews"] == ("bias" if shape.bias else "logits")
+
+
+def _variant(kernel, tokens, finalize=False, shared=True):
+    from kernels import abi
+
+    names = {("mega", True): abi.MEGA_PARAMS, ("mega", False): abi.MEGA_ROUTED_PARAMS,
+             ("grouped", True): abi.GROUPED_PARAMS, ("grouped", False): abi.GROUPED_ROUTED_PARAMS}  # fmt: skip
+    params = tuple((n, "pointer") for n in names[(kernel, shared)])
+    return SimpleNamespace(kernel=kernel, tokens=tokens, finalize=finalize, params=params)
+
+
+@pytest.mark.parametrize("shape", [CHECK_SHAPE, dataclasses.replace(SOFTMAX, experts=32)],
+                         ids=["shared-expert", "no-shared-expert"])  # fmt: skip
+def test_run_counts_the_shared_expert_only_where_the_model_has_one(shape, monkeypatch):
+    """A whole run without a GPU (timers stubbed: each call runs once, 10 us
+    a call; the check on 2 calls; the torch baseline real): every case of
+    every M, bias None throughout for a model without one, and weight_bytes
+    of every row distinct experts x expert_bytes, plus one expert's bytes for
+    the shared expert where the model has one (on every kind: its mega
+    variants compute it), on none where it has none; the result's tables."""
+    from benchmarks.baseline import TorchMoE
+
+    monkeypatch.setattr(bench_module, "CHECK_CALLS", 2)
+
+    def timed(calls, *args, **kwargs):
+        for call in calls if isinstance(calls, list) else [calls]:
+            call()
+        return [10.0]
+
+    monkeypatch.setattr(bench_module, "time_graph", timed)
+    monkeypatch.setattr(bench_module, "time_eager", timed)
+    monkeypatch.setattr(bench_module, "time_host", lambda calls: [3.0])
+    monkeypatch.setattr(bench_module, "device_facts", lambda d: {"device": "CPU", "driver": "-",
+                                                                 "sms": 0})  # fmt: skip
+    monkeypatch.setattr(bench_module, "commit_id", lambda: "abc")
+    shared = bool(shape.shared_experts)
+    g = seeding.generator()
+    prepared, routed, shared_ckpt = random_moe_weights(shape, g)
+    bench = _bench(shape, g)
+    bench.checkpoints = (routed, shared_ckpt)
+    bench.checker = ReferenceLayer(routed, shared_ckpt, shape)
+    bench.copies = [(prepared, bench.checker)] * bench_module.COPIES
+    bench.baseline = TorchMoE(prepared, shape)
+    bench.reps, logged = 5, []
+    bench.log = logged.append
+    bench.artifact.variants = [_variant("mega", 2, shared=shared),
+                               _variant("grouped", 8, shared=shared),
+                               _variant("grouped", 8, True, shared=shared)]  # fmt: skip
+    bench.artifact.manifest = {"config": {"name": "c"}, "config_hash": "h", "toolchain": None}
+    bench.config = bench.artifact.manifest["config"]
+    rows = bench.run([2, 8], ["random", "skewed"])
+    kinds = sorted((r.tokens, r.kernel, r.bucket, bool(r.finalize)) for r in rows
+                   if r.routing == "random")  # fmt: skip
+    # M = 2: the grouped kernel padded to its bucket 8; M = 8: both finalize settings.
+    assert kinds == [(2, "baseline", None, False), (2, "grouped", 8, False),
+                     (2, "layer", None, False), (2, "mega", 2, False),
+                     (8, "baseline", None, False), (8, "grouped", 8, False),
+                     (8, "grouped", 8, True), (8, "layer", None, False)]  # fmt: skip
+    per = shape.expert_bytes
+    for r in rows:
+        assert r.correct and r.time_us == 10.0, r
+        routed_bytes = r.weight_bytes - (per if shared else 0)
+        assert abs(routed_bytes - r.distinct_experts * per) <= 0.005 * per + 1, r
+        assert 1 <= r.distinct_experts <= min(shape.experts, r.tokens * shape.top_k)
+        assert r.tb_s == round(r.weight_bytes / 10e-6 / 1e12, 3)
+    assert len(logged) == len(rows) == 16
+    result = bench.result(rows)
+    assert result["method"]["routing"]["skews"] == ("bias" if shape.bias else "logits")
+    assert table(result).count("\n| skewed |") == 8 and "| random | 8 |" in summary(result)
 
 
 def test_time_host_times_each_call_without_waiting(monkeypatch):

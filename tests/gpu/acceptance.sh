@@ -9,7 +9,8 @@
 # 2. compute-sanitizer memcheck and racecheck of one bucket of each kernel;
 # 3. the eager host-time profile (benchmarks/host_profile.py);
 # 4. moe-build bench over random, skewed and uniform routing -> OUTDIR/bench.json, .png.
-# Logs go to OUTDIR; the exit status is the first failing step's.
+# Logs go to OUTDIR; the exit status is the first failing step's. Every model's
+# artifact (correctness per routing family, a short bench): tests/gpu/models.sh.
 set -uo pipefail
 art=${1:?artifact}; out=${2:?output directory}; bench=${3:-}
 mkdir -p "$out"

@@ -51,19 +51,21 @@ def main(path: str, name: str) -> int:
     s = artifact.shape
     weights = MoEWeights(
         random_experts(s.experts, s.hidden, s.inter, device),
-        random_experts(1, s.hidden, s.inter, device),
+        random_experts(1, s.hidden, s.inter, device) if s.shared_experts else None,
     )
     layer = artifact.bind(weights, poison=True)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[variant.logits_dtype]
     m = variant.tokens
     x = torch.randn(m, s.hidden, device=device).bfloat16()
     logits = torch.randn(m, s.experts, device=device).to(dtype)
-    bias = torch.randn(s.experts, device=device) * 0.1
+    # A model routing without a score-correction bias takes none.
+    bias = torch.randn(s.experts, device=device) * 0.1 if s.bias else None
     if variant.kernel == "mega":
         outputs = layer.mega(x, logits, bias)
     else:
         outputs = layer.grouped(x, logits, bias, finalize=variant.finalize)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    outputs = [t for t in outputs if t is not None]  # no shared rows without a shared expert
     torch.cuda.synchronize()
     finite = all(bool(torch.isfinite(t.float()).all()) for t in outputs)
     print(f"{name}: one call, outputs finite: {finite}")
