@@ -118,14 +118,14 @@ class Captured:
 
 
 def weights_and_bias(args, artifact, device, generator):
-    """(runtime.layout.MoEWeights, FP32 [E] bias) on ``device``."""
+    """(runtime.layout.MoEWeights, FP32 [E] bias or None) on ``device``."""
     shape = artifact.shape
     if args.random:
         from runtime.layout import random_moe_weights
 
         prepared = random_moe_weights(shape, generator)[0]
         bias = torch.randn(shape.experts, generator=generator, device=device) * 0.1
-        return prepared, bias
+        return prepared, bias if shape.bias else None  # a model without a bias takes none
     from runtime.checkpoint import load_layer
 
     loaded = load_layer(args.checkpoint, args.layer, rank=args.rank, world=args.world,

@@ -13,7 +13,9 @@ What a layer holds in such a checkpoint (``Names`` gives the names):
   ``model.layers.{L}.mlp.shared_experts.{p}_proj`` (one expert of width I:
   the runtime serves ``n_shared_experts = 1``);
 - the router's score-correction bias ``model.layers.{L}.mlp.gate.e_score_correction_bias``,
-  ``[E]`` (FP32, or BF16 widened exactly).
+  ``[E]`` (FP32, or BF16 widened exactly); a family without one (Qwen3-MoE,
+  ``QWEN3_MOE``: no shared expert either) gives bias None and its expert
+  count from the router weight ``model.layers.{L}.mlp.gate.weight`` ``[E, H]``.
 
 Tensor parallelism: rank r of world w takes the intermediate slice
 ``[r*I/w, (r+1)*I/w)``: those rows of gate and up, those columns of down, and
@@ -67,16 +69,19 @@ class Names:
     """One model family's tensor names for MoE layer ``{layer}``: format
     strings of the module prefixes (``{expert}``: routed expert index,
     ``{proj}``: one of ``gate``/``up``/``down`` below) and the parameters'
-    suffixes. ``shared`` is None for a family without a shared expert."""
+    suffixes. ``shared`` is None for a family without a shared expert, ``bias``
+    for one whose router has no score-correction bias (the expert count is
+    then read from the router weight ``router`` [E, H])."""
 
     expert: str
     shared: str | None
-    bias: str
+    bias: str | None
     gate: str = "gate_proj"
     up: str = "up_proj"
     down: str = "down_proj"
     weight: str = "weight"
     scale: str = "weight_scale_inv"
+    router: str = "model.layers.{layer}.mlp.gate.weight"
 
     def routed(self, layer: int, expert: int, proj: str, param: str) -> str:
         return f"{self.expert.format(layer=layer, expert=expert, proj=proj)}.{param}"
@@ -84,8 +89,11 @@ class Names:
     def shared_name(self, layer: int, proj: str, param: str) -> str:
         return f"{self.shared.format(layer=layer, proj=proj)}.{param}"
 
-    def bias_name(self, layer: int) -> str:
-        return self.bias.format(layer=layer)
+    def bias_name(self, layer: int) -> str | None:
+        return None if self.bias is None else self.bias.format(layer=layer)
+
+    def router_name(self, layer: int) -> str:
+        return self.router.format(layer=layer)
 
 
 #: DeepSeek-V3 / R1 (and models of its architecture) and GLM-4.5-style MoE.
@@ -94,8 +102,11 @@ DEEPSEEK_V3 = Names(
     shared="model.layers.{layer}.mlp.shared_experts.{proj}",
     bias="model.layers.{layer}.mlp.gate.e_score_correction_bias",
 )
+#: Qwen3-MoE: the same expert names, no shared expert, a router without bias.
+QWEN3_MOE = Names(expert="model.layers.{layer}.mlp.experts.{expert}.{proj}", shared=None,
+                  bias=None)  # fmt: skip
 #: Family name -> its names; add a family by adding a row.
-FAMILIES = {"deepseek_v3": DEEPSEEK_V3, "glm4_moe": DEEPSEEK_V3}
+FAMILIES = {"deepseek_v3": DEEPSEEK_V3, "glm4_moe": DEEPSEEK_V3, "qwen3_moe": QWEN3_MOE}
 
 
 # Reading files ----------------------------------------------------------------------
@@ -216,22 +227,24 @@ def _weight_map(index: Path) -> dict[str, str]:
 @dataclass(frozen=True)
 class CheckpointLayer:
     """This rank's slice of one layer in checkpoint layout (CPU tensors):
-    ``routed`` [E] experts, ``shared`` (E = 1, or None) and the FP32 [E] bias."""
+    ``routed`` [E] experts, ``shared`` (E = 1, or None) and the FP32 [E] bias
+    (None for a family without one)."""
 
     routed: CheckpointWeights
     shared: CheckpointWeights | None
-    bias: torch.Tensor
+    bias: torch.Tensor | None
 
 
 @dataclass(frozen=True)
 class LayerWeights:
     """This rank's slice of one layer, prepared for the kernels: ``weights``
     (``runtime.layout.MoEWeights`` on the target device, ready for
-    ``Artifact.bind``) and the FP32 [E] router ``bias`` on the same device;
+    ``Artifact.bind``) and the FP32 [E] router ``bias`` on the same device
+    (None for a family without one: pass it as the layer's bias);
     ``hidden``, ``inter`` (this rank's width) and ``experts`` as read."""
 
     weights: MoEWeights
-    bias: torch.Tensor
+    bias: torch.Tensor | None
     hidden: int
     inter: int
     experts: int
@@ -269,17 +282,24 @@ def _plan(ckpt: Checkpoint, names: Names, layer: int, rank: int, world: int,
           shape: MoEShape | None) -> _Plan:  # fmt: skip
     if world < 1 or not 0 <= rank < world:
         raise CheckpointError(f"rank {rank} of world {world}: expected 0 <= rank < world")
-    bias = names.bias_name(layer)
-    if not ckpt.has(bias):
-        # Dense layers (DeepSeek-V3's first_k_dense_replace) have no router bias.
+    if shape is not None and shape.bias != (names.bias is not None):
+        has = "has" if shape.bias else "has no"
+        raise CheckpointError(f"the artifact's model {has} a score-correction bias; the names' "
+                              f"family {'has none' if shape.bias else 'reads one'}")  # fmt: skip
+    # The expert count: the bias [E], or without one the router weight [E, H].
+    counted = names.bias_name(layer) if names.bias is not None else names.router_name(layer)
+    if not ckpt.has(counted):
+        # Dense layers (DeepSeek-V3's first_k_dense_replace) have no router.
+        pattern = names.bias if names.bias is not None else names.router
         raise CheckpointError(
-            f"checkpoint {ckpt.source}: tensor {bias!r} is not there: is layer {layer} "
-            f"an MoE layer, named as {names.bias!r}?"
+            f"checkpoint {ckpt.source}: tensor {counted!r} is not there: is layer {layer} "
+            f"an MoE layer, named as {pattern!r}?"
         )
-    dims = ckpt.shape(bias)
-    if len(dims) != 1:
-        raise CheckpointError(f"checkpoint {ckpt.source}: tensor {bias!r}: expected [E], "
-                              f"found {list(dims)}")  # fmt: skip
+    dims = ckpt.shape(counted)
+    if len(dims) != (1 if names.bias is not None else 2):
+        want = "[E]" if names.bias is not None else "[E, H]"
+        raise CheckpointError(f"checkpoint {ckpt.source}: tensor {counted!r}: expected "
+                              f"{want}, found {list(dims)}")  # fmt: skip
     experts = dims[0]
     gate0 = names.routed(layer, 0, names.gate, names.weight)
     dims = ckpt.shape(gate0)
@@ -348,7 +368,9 @@ def _experts(ckpt: Checkpoint, names: Names, layer: int, plan: _Plan
         yield None, _expert(ckpt, plan, shared)
 
 
-def _bias(ckpt: Checkpoint, names: Names, layer: int, experts: int) -> torch.Tensor:
+def _bias(ckpt: Checkpoint, names: Names, layer: int, experts: int) -> torch.Tensor | None:
+    if names.bias is None:
+        return None
     bias = ckpt.read(names.bias_name(layer), (torch.float32, torch.bfloat16), (experts,))
     return bias.float().contiguous()
 
@@ -388,7 +410,8 @@ def load_layer(path, layer: int, rank: int = 0, world: int = 1,
             into, at = (routed, e) if e is not None else (shared, 0)
             for f in _FIELDS:
                 _bytes(getattr(into, f)[at]).copy_(_bytes(getattr(ready, f)[0]))
-        bias = _bias(ckpt, names, layer, plan.experts).to(device)
+        bias = _bias(ckpt, names, layer, plan.experts)
+        bias = None if bias is None else bias.to(device)
     return LayerWeights(MoEWeights(routed, shared), bias, plan.hidden, plan.width, plan.experts)
 
 
@@ -413,6 +436,7 @@ def _stack(parts: list[torch.Tensor]) -> torch.Tensor:
 __all__ = [
     "DEEPSEEK_V3",
     "FAMILIES",
+    "QWEN3_MOE",
     "Checkpoint",
     "CheckpointError",
     "CheckpointLayer",

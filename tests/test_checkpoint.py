@@ -267,3 +267,25 @@ def test_refusals_name_what_is_wrong(model, tmp_path):
     assert routed_only.weights.shared is None
     name = DEEPSEEK_V3.routed(7, 5, "up_proj", "weight")
     assert name == "model.layers.7.mlp.experts.5.up_proj.weight"
+
+
+def test_a_family_without_bias_or_shared_expert(tmp_path):
+    """Qwen3-MoE (``QWEN3_MOE``): the same expert names, no shared expert, a
+    router without bias: the expert count comes from the router weight and
+    the layer's bias is None; a shape that expects a bias refuses it."""
+    g = seeding.generator()
+    routed = random_checkpoint(E, H, I, g)
+    tensors = _hf(routed, lambda e: f"model.layers.{LAYER}.mlp.experts.{e}")
+    tensors[f"model.layers.{LAYER}.mlp.gate.weight"] = torch.randn(E, H, generator=g).bfloat16()
+    root = _write(tmp_path / "q", tensors)
+    plain = replace(SHAPE2, shared_experts=0, bias=False, score="softmax")
+    loaded = load_layer(root, LAYER, rank=0, world=2, names="qwen3_moe", shape=plain)
+    assert loaded.bias is None and loaded.weights.shared is None and loaded.experts == E
+    assert _same_experts(loaded.weights.routed, prepare(split_checkpoint(routed, 2)[0]))
+    assert read_layer(root, LAYER, names=ck.QWEN3_MOE).bias is None
+    with pytest.raises(CheckpointError, match="has a score-correction bias"):
+        load_layer(root, LAYER, rank=0, world=2, names="qwen3_moe",
+                   shape=replace(plain, bias=True))  # fmt: skip
+    with pytest.raises(CheckpointError, match="mlp.gate.weight"):
+        load_layer(root, LAYER + 1, names="qwen3_moe")
+
