@@ -288,4 +288,3 @@ def test_a_family_without_bias_or_shared_expert(tmp_path):
                    shape=replace(plain, bias=True))  # fmt: skip
     with pytest.raises(CheckpointError, match="mlp.gate.weight"):
         load_layer(root, LAYER + 1, names="qwen3_moe")
-
