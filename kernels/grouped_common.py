@@ -301,12 +301,17 @@ class RowFragment(Fragment):
 
 
 class GroupedCommon:
-    """Device code shared by the grouped kernels; an architecture's kernel
-    class derives from it and provides ``GATHERERS`` and ``EPILOGUE_WARP``
-    (first warp of the epilogue group)."""
+    """Device code shared by the grouped kernels, and their entry points
+    (``__call__`` / ``routed_only``: the launches with and without the shared
+    expert; ``kernel`` / ``kernel_routed``: the two ABIs' kernels). An
+    architecture's kernel class derives from it and provides ``GATHERERS``,
+    ``EPILOGUE_WARP`` (first warp of the epilogue group), ``ENTRY`` (the
+    entry name's prefix), ``launch(kernel, stream)`` and ``body`` (the kernel
+    on the ABI's tensors, the shared expert's as addresses)."""
 
     GATHERERS = 2
     EPILOGUE_WARP = 4
+    ENTRY = "moe_grouped"
 
     def __init__(self, spec, layout: SmemLayout):
         self.spec = spec
@@ -365,6 +370,75 @@ class GroupedCommon:
         }
 
     # -- the call's start ---------------------------------------------------------------
+
+    # -- entry points (both archs; ``launch`` and ``body`` are the arch's) ------------------
+
+    @cute.jit
+    def __call__(self, maps: cute.Tensor, w13_scale: cute.Tensor, w2_scale: cute.Tensor,
+                 s13_scale: cute.Tensor, s2_scale: cute.Tensor, s13: cute.Tensor,
+                 s2: cute.Tensor, x: cute.Tensor, logits: cute.Tensor, bias: cute.Tensor,
+                 rows: cute.Tensor, out: cute.Tensor, shared_out: cute.Tensor,
+                 final: cute.Tensor, ids: cute.Tensor, weights: cute.Tensor,
+                 plan_x: cute.Tensor, plan_s: cute.Tensor, hidden: cute.Tensor,
+                 hscale: cute.Tensor, partial: cute.Tensor, counters: cute.Tensor,
+                 stream):  # fmt: skip
+        """Launch with the shared expert (``grouped_common.PARAMS``)."""
+        self.kernel.set_name_prefix(self.ENTRY, remove_cutlass_symbol=True,
+                                    keep_mangled_name=False)  # fmt: skip
+        self.launch(
+            self.kernel(
+                maps, w13_scale, w2_scale, s13_scale, s2_scale, s13, s2, x, logits, bias, rows,
+                out, shared_out, final, ids, weights, plan_x, plan_s, hidden, hscale, partial,
+                counters,
+            ),
+            stream,
+        )  # fmt: skip
+
+    @cute.jit
+    def routed_only(self, maps: cute.Tensor, w13_scale: cute.Tensor, w2_scale: cute.Tensor,
+                    x: cute.Tensor, logits: cute.Tensor, bias: cute.Tensor, rows: cute.Tensor,
+                    out: cute.Tensor, final: cute.Tensor, ids: cute.Tensor,
+                    weights: cute.Tensor, plan_x: cute.Tensor, plan_s: cute.Tensor,
+                    hidden: cute.Tensor, hscale: cute.Tensor, partial: cute.Tensor,
+                    counters: cute.Tensor, stream):  # fmt: skip
+        """Launch without a shared expert (``grouped_common.ROUTED_PARAMS``)."""
+        self.kernel_routed.set_name_prefix(self.ENTRY, remove_cutlass_symbol=True,
+                                           keep_mangled_name=False)  # fmt: skip
+        self.launch(
+            self.kernel_routed(
+                maps, w13_scale, w2_scale, x, logits, bias, rows, out, final, ids, weights,
+                plan_x, plan_s, hidden, hscale, partial, counters,
+            ),
+            stream,
+        )  # fmt: skip
+
+    @cute.kernel
+    def kernel(self, maps: cute.Tensor, w13_scale: cute.Tensor, w2_scale: cute.Tensor,
+               s13_scale: cute.Tensor, s2_scale: cute.Tensor, s13: cute.Tensor,
+               s2: cute.Tensor, x: cute.Tensor, logits: cute.Tensor, bias: cute.Tensor,
+               rows: cute.Tensor, out: cute.Tensor, shared_out: cute.Tensor,
+               final: cute.Tensor, ids: cute.Tensor, weights: cute.Tensor,
+               plan_x: cute.Tensor, plan_s: cute.Tensor, hidden: cute.Tensor,
+               hscale: cute.Tensor, partial: cute.Tensor, counters: cute.Tensor):  # fmt: skip
+        self.body(
+            maps, w13_scale, w2_scale, s13_scale.iterator.toint(), s2_scale.iterator.toint(),
+            s13.iterator.toint(), s2.iterator.toint(), x, logits, bias, rows, out,
+            shared_out.iterator.toint(), final, ids, weights, plan_x, plan_s, hidden, hscale,
+            partial, counters,
+        )  # fmt: skip
+
+    @cute.kernel
+    def kernel_routed(self, maps: cute.Tensor, w13_scale: cute.Tensor, w2_scale: cute.Tensor,
+                      x: cute.Tensor, logits: cute.Tensor, bias: cute.Tensor,
+                      rows: cute.Tensor, out: cute.Tensor, final: cute.Tensor,
+                      ids: cute.Tensor, weights: cute.Tensor, plan_x: cute.Tensor,
+                      plan_s: cute.Tensor, hidden: cute.Tensor, hscale: cute.Tensor,
+                      partial: cute.Tensor, counters: cute.Tensor):  # fmt: skip
+        none = Int64(0)  # no shared expert: never read
+        self.body(
+            maps, w13_scale, w2_scale, none, none, none, none, x, logits, bias, rows, out, none,
+            final, ids, weights, plan_x, plan_s, hidden, hscale, partial, counters,
+        )  # fmt: skip
 
     @cute.jit
     def init_barriers(self, t: Tables, empty_arrivals: cutlass.Constexpr[int]):

@@ -108,48 +108,13 @@ class GroupedKernel(GroupedCommon):
 
     GATHERERS = GATHERERS
     EPILOGUE_WARP = EPILOGUE
+    ENTRY = ENTRY_PREFIX
 
     def __init__(self, spec: KernelSpec):
         plan = gp.GroupedPlan.from_spec(spec)
         super().__init__(spec, layout_of(plan))
         self.columns = columns_of(plan)
         self.slots = self.layout.slots
-
-    @cute.jit
-    def __call__(
-        self, maps: cute.Tensor, w13_scale: cute.Tensor, w2_scale: cute.Tensor,
-        s13_scale: cute.Tensor, s2_scale: cute.Tensor, s13: cute.Tensor, s2: cute.Tensor,
-        x: cute.Tensor, logits: cute.Tensor, bias: cute.Tensor, rows: cute.Tensor,
-        out: cute.Tensor, shared_out: cute.Tensor, final: cute.Tensor, ids: cute.Tensor,
-        weights: cute.Tensor, plan_x: cute.Tensor, plan_s: cute.Tensor, hidden: cute.Tensor,
-        hscale: cute.Tensor, partial: cute.Tensor, counters: cute.Tensor, stream,
-    ):  # fmt: skip
-        """Launch with the shared expert (``grouped_common.PARAMS``)."""
-        self.launch(
-            self.kernel(
-                maps, w13_scale, w2_scale, s13_scale, s2_scale, s13, s2, x, logits, bias, rows,
-                out, shared_out, final, ids, weights, plan_x, plan_s, hidden, hscale, partial,
-                counters,
-            ),
-            stream,
-        )  # fmt: skip
-
-    @cute.jit
-    def routed_only(
-        self, maps: cute.Tensor, w13_scale: cute.Tensor, w2_scale: cute.Tensor,
-        x: cute.Tensor, logits: cute.Tensor, bias: cute.Tensor, rows: cute.Tensor,
-        out: cute.Tensor, final: cute.Tensor, ids: cute.Tensor, weights: cute.Tensor,
-        plan_x: cute.Tensor, plan_s: cute.Tensor, hidden: cute.Tensor, hscale: cute.Tensor,
-        partial: cute.Tensor, counters: cute.Tensor, stream,
-    ):  # fmt: skip
-        """Launch without a shared expert (``grouped_common.ROUTED_PARAMS``)."""
-        self.launch(
-            self.kernel_routed(
-                maps, w13_scale, w2_scale, x, logits, bias, rows, out, final, ids, weights,
-                plan_x, plan_s, hidden, hscale, partial, counters,
-            ),
-            stream,
-        )  # fmt: skip
 
     def launch(self, kernel, stream):
         kernel.launch(
@@ -158,36 +123,6 @@ class GroupedKernel(GroupedCommon):
             smem=self.layout.total,
             stream=stream,
             use_pdl=True,
-        )  # fmt: skip
-
-    @cute.kernel
-    def kernel(
-        self, maps: cute.Tensor, w13_scale: cute.Tensor, w2_scale: cute.Tensor,
-        s13_scale: cute.Tensor, s2_scale: cute.Tensor, s13: cute.Tensor, s2: cute.Tensor,
-        x: cute.Tensor, logits: cute.Tensor, bias: cute.Tensor, rows: cute.Tensor,
-        out: cute.Tensor, shared_out: cute.Tensor, final: cute.Tensor, ids: cute.Tensor,
-        weights: cute.Tensor, plan_x: cute.Tensor, plan_s: cute.Tensor, hidden: cute.Tensor,
-        hscale: cute.Tensor, partial: cute.Tensor, counters: cute.Tensor,
-    ):  # fmt: skip
-        self.body(
-            maps, w13_scale, w2_scale, s13_scale.iterator.toint(), s2_scale.iterator.toint(),
-            s13.iterator.toint(), s2.iterator.toint(), x, logits, bias, rows, out,
-            shared_out.iterator.toint(), final, ids, weights, plan_x, plan_s, hidden, hscale,
-            partial, counters,
-        )  # fmt: skip
-
-    @cute.kernel
-    def kernel_routed(
-        self, maps: cute.Tensor, w13_scale: cute.Tensor, w2_scale: cute.Tensor,
-        x: cute.Tensor, logits: cute.Tensor, bias: cute.Tensor, rows: cute.Tensor,
-        out: cute.Tensor, final: cute.Tensor, ids: cute.Tensor, weights: cute.Tensor,
-        plan_x: cute.Tensor, plan_s: cute.Tensor, hidden: cute.Tensor, hscale: cute.Tensor,
-        partial: cute.Tensor, counters: cute.Tensor,
-    ):  # fmt: skip
-        none = Int64(0)  # no shared expert: never read
-        self.body(
-            maps, w13_scale, w2_scale, none, none, none, none, x, logits, bias, rows, out, none,
-            final, ids, weights, plan_x, plan_s, hidden, hscale, partial, counters,
         )  # fmt: skip
 
     @cute.jit
@@ -365,10 +300,6 @@ class GroupedKernel(GroupedCommon):
                             hscale, partial, mine,
                         )  # fmt: skip
             n = n + 1
-
-
-for _entry in (GroupedKernel.kernel, GroupedKernel.kernel_routed):
-    _entry.set_name_prefix(ENTRY_PREFIX, remove_cutlass_symbol=True, keep_mangled_name=False)
 
 
 def compile_kernel(spec: KernelSpec) -> CompiledKernel:

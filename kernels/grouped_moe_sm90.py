@@ -114,6 +114,7 @@ class Sm90Fragment(Fragment):
 class GroupedMoeSm90(GroupedCommon):
     GATHERERS = GATHERERS
     EPILOGUE_WARP = MMA_WARP
+    ENTRY = ENTRY
 
     def __init__(self, spec: KernelSpec):
         plan = GroupedPlan.from_spec(spec)
@@ -121,44 +122,6 @@ class GroupedMoeSm90(GroupedCommon):
         super().__init__(spec, layout)
 
     # -- host ----------------------------------------------------------------------------
-
-    @cute.jit
-    def __call__(self, maps: cute.Tensor, w13_scale: cute.Tensor, w2_scale: cute.Tensor,
-                 s13_scale: cute.Tensor, s2_scale: cute.Tensor, s13: cute.Tensor,
-                 s2: cute.Tensor, x: cute.Tensor, logits: cute.Tensor, bias: cute.Tensor,
-                 rows: cute.Tensor, out: cute.Tensor, shared_out: cute.Tensor,
-                 final: cute.Tensor, ids: cute.Tensor, weights: cute.Tensor,
-                 plan_x: cute.Tensor, plan_s: cute.Tensor, hidden: cute.Tensor,
-                 hscale: cute.Tensor, partial: cute.Tensor, counters: cute.Tensor,
-                 stream):  # fmt: skip
-        """Launch with the shared expert (``grouped_common.PARAMS``)."""
-        self.kernel.set_name_prefix(ENTRY, remove_cutlass_symbol=True, keep_mangled_name=False)
-        self.launch(
-            self.kernel(
-                maps, w13_scale, w2_scale, s13_scale, s2_scale, s13, s2, x, logits, bias, rows,
-                out, shared_out, final, ids, weights, plan_x, plan_s, hidden, hscale, partial,
-                counters,
-            ),
-            stream,
-        )  # fmt: skip
-
-    @cute.jit
-    def routed_only(self, maps: cute.Tensor, w13_scale: cute.Tensor, w2_scale: cute.Tensor,
-                    x: cute.Tensor, logits: cute.Tensor, bias: cute.Tensor, rows: cute.Tensor,
-                    out: cute.Tensor, final: cute.Tensor, ids: cute.Tensor,
-                    weights: cute.Tensor, plan_x: cute.Tensor, plan_s: cute.Tensor,
-                    hidden: cute.Tensor, hscale: cute.Tensor, partial: cute.Tensor,
-                    counters: cute.Tensor, stream):  # fmt: skip
-        """Launch without a shared expert (``grouped_common.ROUTED_PARAMS``)."""
-        self.kernel_routed.set_name_prefix(ENTRY, remove_cutlass_symbol=True,
-                                           keep_mangled_name=False)  # fmt: skip
-        self.launch(
-            self.kernel_routed(
-                maps, w13_scale, w2_scale, x, logits, bias, rows, out, final, ids, weights,
-                plan_x, plan_s, hidden, hscale, partial, counters,
-            ),
-            stream,
-        )  # fmt: skip
 
     def launch(self, kernel, stream):
         kernel.launch(
@@ -174,34 +137,6 @@ class GroupedMoeSm90(GroupedCommon):
         )  # fmt: skip
 
     # -- device --------------------------------------------------------------------------
-
-    @cute.kernel
-    def kernel(self, maps: cute.Tensor, w13_scale: cute.Tensor, w2_scale: cute.Tensor,
-               s13_scale: cute.Tensor, s2_scale: cute.Tensor, s13: cute.Tensor,
-               s2: cute.Tensor, x: cute.Tensor, logits: cute.Tensor, bias: cute.Tensor,
-               rows: cute.Tensor, out: cute.Tensor, shared_out: cute.Tensor,
-               final: cute.Tensor, ids: cute.Tensor, weights: cute.Tensor,
-               plan_x: cute.Tensor, plan_s: cute.Tensor, hidden: cute.Tensor,
-               hscale: cute.Tensor, partial: cute.Tensor, counters: cute.Tensor):  # fmt: skip
-        self.body(
-            maps, w13_scale, w2_scale, s13_scale.iterator.toint(), s2_scale.iterator.toint(),
-            s13.iterator.toint(), s2.iterator.toint(), x, logits, bias, rows, out,
-            shared_out.iterator.toint(), final, ids, weights, plan_x, plan_s, hidden, hscale,
-            partial, counters,
-        )  # fmt: skip
-
-    @cute.kernel
-    def kernel_routed(self, maps: cute.Tensor, w13_scale: cute.Tensor, w2_scale: cute.Tensor,
-                      x: cute.Tensor, logits: cute.Tensor, bias: cute.Tensor,
-                      rows: cute.Tensor, out: cute.Tensor, final: cute.Tensor,
-                      ids: cute.Tensor, weights: cute.Tensor, plan_x: cute.Tensor,
-                      plan_s: cute.Tensor, hidden: cute.Tensor, hscale: cute.Tensor,
-                      partial: cute.Tensor, counters: cute.Tensor):  # fmt: skip
-        none = Int64(0)  # no shared expert: never read
-        self.body(
-            maps, w13_scale, w2_scale, none, none, none, none, x, logits, bias, rows, out, none,
-            final, ids, weights, plan_x, plan_s, hidden, hscale, partial, counters,
-        )  # fmt: skip
 
     @cute.jit
     def body(self, maps, w13_scale, w2_scale, s13_scale, s2_scale, s13, s2, x, logits, bias,
