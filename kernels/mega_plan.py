@@ -29,12 +29,15 @@ sm_100a splits each row tile's K into ``split`` parts (``mega_split``: the
 most, up to 8, that keep the cluster within 16 CTAs and divide H/128), each
 part's K blocks the columns of UMMA N = 16 accumulators in TMEM (GLM-5: 8
 row tiles x 2 K parts of 16 K blocks).
-The ring depth and CTAs per SM depend on the token bucket: every cluster of
-a call must be resident at once, and with fewer CTAs per SM each needs more
-bytes in flight (sm_90a, measured on the H200 with the cluster occupancy the
-driver reports: 15 8-CTA clusters resident at 1 CTA per SM, 30 at 2, 45 at 3;
-a call needs M * (top_k + 1) of them). ``docs/notes/mega-sm90.md`` has the
-measurements behind each choice.
+The CTAs per SM and the ring depth follow from the call's grid (sm_90a,
+``occupancy``): the fewest CTAs per SM at which every cluster of a call is
+resident at once (one wave), and the deepest ring that occupancy leaves the
+shared memory for, since with fewer CTAs per SM each needs more bytes in
+flight. Measured on the H200 with the cluster occupancy the driver reports:
+15 8-CTA clusters resident at 1 CTA per SM, 30 at 2, 45 at 3 (``RESIDENT``);
+GLM-5's M * (top_k + 1) clusters then take 1, 2, 2 and 3 CTAs per SM at
+M = 1..4. ``docs/notes/mega-sm90.md`` has the measurements behind each
+choice.
 
 The formulas here are written once, for Python integers and for the DSL's
 integers alike (arithmetic and comparisons only; branches only on values
@@ -48,7 +51,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kernels.smem import Regions
-from runtime.constants import SMEM_LIMIT, TILE
+from runtime.constants import SMEM_LIMIT, SMEM_PER_SM, SMEM_RESERVED, TILE
 
 STAGE_BYTES = TILE * TILE  # one 128 x 128 FP8 weight box
 #: Cluster orders: which clusters of the grid run the shared experts. The
@@ -65,13 +68,14 @@ MAX_TOP_K = 32  # lane k of the routing warp holds route k
 class MegaArch:
     """What one architecture's mega kernel fixes: at most ``max_split`` CTAs
     per GEMM1 row tile (K parts, ``mega_split``), ``b_rows`` token rows of a
-    B tile (the MMA's N), per token bucket ``stages`` = (ring depth, CTAs per
-    SM) and the cluster ``order``, and the accumulator limits of its MMA."""
+    B tile (the MMA's N), ``ring`` = CTAs per SM -> ring depth (the CTAs per
+    SM a variant takes: ``occupancy``), per token bucket the cluster
+    ``order``, and the accumulator limits of its MMA."""
 
     arch: str
     max_split: int
     b_rows: int
-    stages: dict[int, tuple[int, int]]
+    ring: dict[int, int]
     order: dict[int, str]
     #: The range of GEMM1 K blocks (hidden / 128) the kernel holds.
     k_blocks: tuple[int, int] = (8, 64)
@@ -88,18 +92,39 @@ class MegaArch:
 ARCH = {
     "sm_90a": MegaArch(
         arch="sm_90a", max_split=1, b_rows=8,
-        stages={1: (10, 1), 2: (6, 2), 3: (6, 2), 4: (3, 3)},
+        ring={1: 10, 2: 6, 3: 3},
         order={1: "shared_last_reversed", 2: "shared_first", 3: "shared_first",
                4: "shared_last_reversed"},
         k_blocks=(8, 64), uneven_gemm2=True,
     ),
     "sm_100a": MegaArch(
         arch="sm_100a", max_split=8, b_rows=16,
-        stages={m: (4, 2) for m in range(1, MEGA_TOKENS + 1)},
+        ring={2: 4},
         order={m: "shared_last" for m in range(1, MEGA_TOKENS + 1)},
         tmem_columns=512, uneven_gemm2=True,
     ),
 }  # fmt: skip
+
+
+#: Resident CTAs per CTA-per-SM of 8-CTA mega clusters on the H200's 132 SMs
+#: (cuOccupancyMaxActiveClusters: 15 clusters): GPC boundaries leave part of
+#: the SMs unfilled; ``occupancy`` scales it to a target's SM count.
+RESIDENT = (15 * 8, 132)
+
+
+def occupancy(arch: str, grid: int, sms: int) -> int:
+    """CTAs per SM of a variant with ``grid`` CTAs for a target of ``sms`` SMs:
+    the fewest of the arch's ``ring`` levels at which the whole grid is
+    resident at once (``RESIDENT``'s fill), else the most; with ``sms`` 0
+    (unknown: a shape check) the fewest, whose ring is the deepest."""
+    levels = sorted(ARCH[arch].ring)
+    if sms <= 0:
+        return levels[0]
+    per_level = sms * RESIDENT[0] // RESIDENT[1]
+    for c in levels:
+        if grid <= c * per_level:
+            return c
+    return levels[-1]
 
 
 def mega_split(arch: str, hidden: int, inter: int) -> int:
@@ -116,6 +141,9 @@ def mega_split(arch: str, hidden: int, inter: int) -> int:
     return split
 
 
+#: The shallowest ring a mega variant runs (the producer keeps two boxes in
+#: flight while the MMA reads a third).
+MIN_STAGES = 3
 #: sm_90a GEMM1 B operand: 8 rotating tiles (tile b only ever holds a token
 #: K block in row b, so a refill needs no zeroing), refilled 4 K blocks at a time.
 B1_ROTATING = 8
@@ -136,6 +164,8 @@ class MegaPlan:
     top_k: int
     tokens: int
     shared_experts: int
+    #: The target's SM count (``KernelSpec.sms``); 0 for a shape check.
+    sms: int = 0
     regions: Regions = field(compare=False, repr=False, default_factory=Regions)
 
     @property
@@ -241,11 +271,18 @@ class MegaPlan:
 
     @property
     def stages(self) -> int:
-        return self.config.stages[self.tokens][0]
+        """Ring depth: the arch's ``ring`` at the variant's CTAs per SM, fewer
+        where that many CTAs of this shape would not fit an SM's shared
+        memory (``SMEM_PER_SM``), at least MIN_STAGES."""
+        c = self.ctas_per_sm
+        for stages in range(self.config.ring[c], MIN_STAGES, -1):
+            if c * (self._layout(stages).end + SMEM_RESERVED) <= SMEM_PER_SM[self.arch]:
+                return stages
+        return MIN_STAGES
 
     @property
     def ctas_per_sm(self) -> int:
-        return self.config.stages[self.tokens][1]
+        return occupancy(self.arch, self.grid, self.sms)
 
     # Shared memory -------------------------------------------------------------------
     @property
@@ -258,10 +295,13 @@ class MegaPlan:
 
     @property
     def bars(self) -> int:
+        return self._bars(self.stages)
+
+    def _bars(self, stages: int) -> int:
         """mbarriers: full[stages], empty[stages], gate_in, hrecv; sm_100a
         also acc1, b_ready, acc2[tiles2], pair and one spare."""
         extra = 2 + self.tiles2 + 2 if self.arch == "sm_100a" else 0
-        return 2 * self.stages + 2 + extra
+        return 2 * stages + 2 + extra
 
     @property
     def smem(self) -> int:
@@ -271,8 +311,12 @@ class MegaPlan:
         return self.regions.offsets[name]
 
     def __post_init__(self):
-        r = self.regions
-        r.take("stages", self.stages * STAGE_BYTES, 1024)
+        object.__setattr__(self, "regions", self._layout(self.stages))
+
+    def _layout(self, stages: int) -> Regions:
+        """The shared-memory regions at ``stages`` ring stages."""
+        r = Regions()
+        r.take("stages", stages * STAGE_BYTES, 1024)
         r.take("b1", self.b1_tiles * self.b_bytes, 1024)
         r.take("b2", self.nk2 * self.b_bytes, 1024)
         if self.split > 1:
@@ -283,9 +327,10 @@ class MegaPlan:
         r.take("hscale", 4 * self.nk2, 4)  # every hidden block's scale
         r.take("xscale", 4 * self.blocks1, 4)  # the token's activation scales
         r.take("flag", 4, 4)  # the finalize's "this CTA arrived last" word
-        r.take("bar", 8 * self.bars, 8)
+        r.take("bar", 8 * self._bars(stages), 8)
         if self.arch == "sm_100a":
             r.take("tmem", 16, 8)  # the TMEM allocation's address
+        return r
 
 
 def problems(arch: str, hidden: int, inter: int, experts: int, top_k: int, tokens: int = 1,
@@ -339,18 +384,19 @@ def problems(arch: str, hidden: int, inter: int, experts: int, top_k: int, token
 
 
 def plan_for(arch: str, hidden: int, inter: int, experts: int, top_k: int, tokens: int,
-             shared_experts: int) -> MegaPlan:  # fmt: skip
-    """The plan of one variant; ValueError naming every rule it breaks."""
+             shared_experts: int, sms: int = 0) -> MegaPlan:  # fmt: skip
+    """The plan of one variant for a target of ``sms`` SMs; ValueError naming
+    every rule it breaks."""
     reasons = problems(arch, hidden, inter, experts, top_k, tokens, shared_experts)
     if reasons:
         raise ValueError(f"mega/{arch} cannot serve this shape: " + "; ".join(reasons))
-    return MegaPlan(arch, hidden, inter, experts, top_k, tokens, shared_experts)
+    return MegaPlan(arch, hidden, inter, experts, top_k, tokens, shared_experts, sms)
 
 
 def plan_of(spec) -> MegaPlan:
     """``plan_for`` of a ``kernels.spec.KernelSpec``."""
     return plan_for(spec.arch, spec.hidden, spec.inter, spec.experts, spec.top_k, spec.tokens,
-                    spec.shared_experts)  # fmt: skip
+                    spec.shared_experts, spec.sms)  # fmt: skip
 
 
 # -- formulas the kernels run (Python or DSL integers) --------------------------------------

@@ -31,3 +31,7 @@ ARCH_OF = {(9, 0): "sm_90a", (10, 0): "sm_100a"}
 SMEM_OPTIN = {"sm_90a": 232448, "sm_100a": 232448}
 SMEM_RESERVED = 1024
 SMEM_LIMIT = {arch: optin - SMEM_RESERVED for arch, optin in SMEM_OPTIN.items()}
+#: Shared memory of one SM (cudaDevAttrMaxSharedMemoryPerMultiprocessor:
+#: 233472 B = 228 KiB on H100/H200 and B200), which the CTAs resident on it
+#: share, each with SMEM_RESERVED more.
+SMEM_PER_SM = {"sm_90a": 233472, "sm_100a": 233472}

@@ -37,8 +37,8 @@ SHAPES = {
 }  # fmt: skip
 
 
-def plan(arch="sm_90a", tokens=1, shared=1, **shape) -> mp.MegaPlan:
-    return mp.plan_for(arch, **{**GLM5, **shape}, tokens=tokens, shared_experts=shared)
+def plan(arch="sm_90a", tokens=1, shared=1, sms=0, **shape) -> mp.MegaPlan:
+    return mp.plan_for(arch, **{**GLM5, **shape}, tokens=tokens, shared_experts=shared, sms=sms)
 
 
 def cases():
@@ -205,14 +205,31 @@ def test_glm5_is_served_on_both_archs_and_other_inputs_are_refused():
 
 
 def test_ring_depth_holds_every_cluster_at_its_ctas_per_sm():
-    """sm_90a's table: with c CTAs per SM an H200 holds 15 c eight-CTA clusters
-    (cuOccupancyMaxActiveClusters of the built variants), and a call's
-    clusters must all be resident; the ring is as deep as the shared memory
-    at that occupancy allows."""
-    for tokens in range(1, mp.MEGA_TOKENS + 1):
-        p = plan("sm_90a", tokens=tokens)
-        assert p.groups <= 15 * p.ctas_per_sm
-        assert p.ctas_per_sm * (p.smem + 1024) <= 228 * 1024
+    """sm_90a: with c CTAs per SM an H200 holds 15 c eight-CTA clusters
+    (cuOccupancyMaxActiveClusters of the built variants, ``RESIDENT``); a
+    variant takes the fewest CTAs per SM at which its call's clusters are all
+    resident (else the most), and the ring is as deep as the shared memory
+    at that occupancy allows. GLM-5 at M = 1..4: 1, 2, 2, 3 CTAs per SM with
+    10, 6, 6, 3 stages (what was measured best, docs/notes/mega-sm90.md)."""
+    glm5 = [plan("sm_90a", tokens=m, sms=132) for m in range(1, mp.MEGA_TOKENS + 1)]
+    assert [(p.ctas_per_sm, p.stages) for p in glm5] == [(1, 10), (2, 6), (2, 6), (3, 3)]
+    per_level = 132 * mp.RESIDENT[0] // mp.RESIDENT[1]
+    assert per_level == 15 * 8
+    for shape in SHAPES["sm_90a"]:
+        for tokens in range(1, mp.MEGA_TOKENS + 1):
+            p = plan("sm_90a", tokens=tokens, sms=132, **shape)
+            levels = sorted(p.config.ring)
+            c = p.ctas_per_sm
+            assert p.grid <= c * per_level or c == levels[-1]
+            assert c == levels[0] or p.grid > (c - 1) * per_level  # the fewest
+            assert p.ctas_per_sm * (p.smem + 1024) <= 228 * 1024
+            # Fewer CTAs per SM, a deeper ring: the level's, or as deep as fits.
+            assert mp.MIN_STAGES <= p.stages <= p.config.ring[c] <= p.config.ring[levels[0]]
+            if p.stages < p.config.ring[c]:
+                deeper = p._layout(p.stages + 1).end + 1024
+                assert c * deeper > 228 * 1024, (shape, tokens)
+    # Unknown SM count (a shape check): the deepest ring, the largest shared memory.
+    assert plan("sm_90a", tokens=4).ctas_per_sm == 1
 
 
 @pytest.mark.parametrize("arch,shape,tokens,shared", list(cases()))

@@ -136,7 +136,7 @@ def test_other_model_shapes_build(tmp_path):
     GEMM1 row tile), streams ``mega_plan.MegaPlan.loads`` TMA stages a CTA
     (an uneven split's CTAs all stream as many), eight m64n8k32 wgmma a
     stage, and declares no local-memory arrays. Register spills (STACK) are
-    printed, not refused: hidden 6144 and 7168 spill a few words at M >= 2
+    printed, not refused: hidden 6144 and 7168 spill a few words
     (docs/notes/mega-sm90.md), GLM-5's variants none (checked above)."""
     from kernels import mega_plan as mp
 
