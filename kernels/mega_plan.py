@@ -34,7 +34,8 @@ The CTAs per SM and the ring depth follow from the call's grid (sm_90a,
 resident at once (one wave), and the deepest ring that occupancy leaves the
 shared memory for, since with fewer CTAs per SM each needs more bytes in
 flight. Measured on the H200 with the cluster occupancy the driver reports:
-15 8-CTA clusters resident at 1 CTA per SM, 30 at 2, 45 at 3 (``RESIDENT``);
+15 8-CTA clusters resident at 1 CTA per SM, 30 at 2, 45 at 3, 7 of 16 CTAs
+at 1 (``RESIDENT``, ``resident_clusters``);
 GLM-5's M * (top_k + 1) clusters then take 1, 2, 2 and 3 CTAs per SM at
 M = 1..4. ``docs/notes/mega-sm90.md`` has the measurements behind each
 choice.
@@ -106,23 +107,31 @@ ARCH = {
 }  # fmt: skip
 
 
-#: Resident CTAs per CTA-per-SM of 8-CTA mega clusters on the H200's 132 SMs
-#: (cuOccupancyMaxActiveClusters: 15 clusters): GPC boundaries leave part of
-#: the SMs unfilled; ``occupancy`` scales it to a target's SM count.
+#: SMs that clusters fill per CTA per SM, of the H200's 132
+#: (cuOccupancyMaxActiveClusters of the built variants: 15 8-CTA clusters at
+#: 1 CTA per SM, 30 at 2, 45 at 3; 7 16-CTA clusters at 1): GPC boundaries
+#: leave the rest unfilled. ``occupancy`` scales it to a target's SM count.
 RESIDENT = (15 * 8, 132)
 
 
-def occupancy(arch: str, grid: int, sms: int) -> int:
-    """CTAs per SM of a variant with ``grid`` CTAs for a target of ``sms`` SMs:
-    the fewest of the arch's ``ring`` levels at which the whole grid is
-    resident at once (``RESIDENT``'s fill), else the most; with ``sms`` 0
-    (unknown: a shape check) the fewest, whose ring is the deepest."""
+def resident_clusters(sms: int, cluster: int, ctas_per_sm: int) -> int:
+    """Clusters of ``cluster`` CTAs resident at once at ``ctas_per_sm`` on a
+    target of ``sms`` SMs (``RESIDENT``'s fill: 15 of 8 CTAs and 7 of 16 on
+    the H200 at 1 CTA per SM, as measured)."""
+    return ctas_per_sm * (sms * RESIDENT[0] // RESIDENT[1] // cluster)
+
+
+def occupancy(arch: str, clusters: int, cluster: int, sms: int) -> int:
+    """CTAs per SM of a variant of ``clusters`` clusters of ``cluster`` CTAs
+    for a target of ``sms`` SMs: the fewest of the arch's ``ring`` levels at
+    which every cluster is resident at once (``resident_clusters``), else the
+    most; with ``sms`` 0 (unknown: a shape check) the fewest, whose ring is
+    the deepest."""
     levels = sorted(ARCH[arch].ring)
     if sms <= 0:
         return levels[0]
-    per_level = sms * RESIDENT[0] // RESIDENT[1]
     for c in levels:
-        if grid <= c * per_level:
+        if clusters <= resident_clusters(sms, cluster, c):
             return c
     return levels[-1]
 
@@ -282,7 +291,7 @@ class MegaPlan:
 
     @property
     def ctas_per_sm(self) -> int:
-        return occupancy(self.arch, self.grid, self.sms)
+        return occupancy(self.arch, self.groups, self.cluster, self.sms)
 
     # Shared memory -------------------------------------------------------------------
     @property

@@ -213,15 +213,17 @@ def test_ring_depth_holds_every_cluster_at_its_ctas_per_sm():
     10, 6, 6, 3 stages (what was measured best, docs/notes/mega-sm90.md)."""
     glm5 = [plan("sm_90a", tokens=m, sms=132) for m in range(1, mp.MEGA_TOKENS + 1)]
     assert [(p.ctas_per_sm, p.stages) for p in glm5] == [(1, 10), (2, 6), (2, 6), (3, 3)]
-    per_level = 132 * mp.RESIDENT[0] // mp.RESIDENT[1]
-    assert per_level == 15 * 8
+    # The measured fills: 15 8-CTA and 7 16-CTA clusters a CTA per SM.
+    assert [mp.resident_clusters(132, 8, c) for c in (1, 2, 3)] == [15, 30, 45]
+    assert mp.resident_clusters(132, 16, 1) == 7
     for shape in SHAPES["sm_90a"]:
         for tokens in range(1, mp.MEGA_TOKENS + 1):
             p = plan("sm_90a", tokens=tokens, sms=132, **shape)
             levels = sorted(p.config.ring)
             c = p.ctas_per_sm
-            assert p.grid <= c * per_level or c == levels[-1]
-            assert c == levels[0] or p.grid > (c - 1) * per_level  # the fewest
+            held = mp.resident_clusters(132, p.cluster, c)
+            assert p.groups <= held or c == levels[-1]
+            assert c == levels[0] or p.groups > mp.resident_clusters(132, p.cluster, c - 1)
             assert p.ctas_per_sm * (p.smem + 1024) <= 228 * 1024
             # Fewer CTAs per SM, a deeper ring: the level's, or as deep as fits.
             assert mp.MIN_STAGES <= p.stages <= p.config.ring[c] <= p.config.ring[levels[0]]
