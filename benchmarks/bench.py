@@ -44,6 +44,7 @@ from __future__ import annotations
 import datetime
 import gc
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -533,8 +534,24 @@ class Bench:
                 "routing": routing_rule(self.shape),
             },  # fmt: skip
             "crossover": crossover(rows),
+            "residency": residency(self.checker, manifest),
             "rows": [asdict(r) for r in rows],
         }
+
+
+def residency(layer, manifest: dict) -> dict:
+    """Variant name -> {"grid": CTAs of a launch, "resident": how many CTAs
+    of it the device holds at once (the driver's occupancy query at bind),
+    "ctas_per_sm": what the plan assumed (the manifest's notes)}: whether a
+    mega call's clusters all ran in one wave, which the plan's occupancy
+    model (kernels/mega_plan.py) predicts from one measured fill."""
+    notes = {v["name"]: v.get("notes") or {} for v in manifest.get("variants", [])}
+    out = {}
+    for name, launcher in getattr(layer, "launchers", {}).items():
+        out[name] = {"grid": math.prod(launcher.variant.launch.grid),
+                     "resident": launcher.residency,
+                     "ctas_per_sm": notes.get(name, {}).get("ctas_per_sm")}  # fmt: skip
+    return out
 
 
 def _speedups(rows: list[Row]) -> None:

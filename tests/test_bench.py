@@ -486,3 +486,20 @@ def test_summary_of_an_m_above_every_bucket_names_the_chunks():
     assert "| chunks | - | - |" in line and "| 9000 |" in line
     header = text.splitlines()[2]
     assert header.count("|") == line.count("|")
+
+
+def test_residency_reports_each_bound_variant():
+    """The result's ``residency``: per variant the launch's CTAs, what the
+    device holds at once (the launcher's bind-time occupancy) and the plan's
+    CTAs per SM from the manifest's notes."""
+    from types import SimpleNamespace as NS
+
+    from benchmarks.bench import residency
+
+    launcher = NS(variant=NS(launch=NS(grid=(72, 1, 1))), residency=120)
+    layer = NS(launchers={"mega-sm_90a-m1-float32": launcher})
+    manifest = {"variants": [{"name": "mega-sm_90a-m1-float32", "notes": {"ctas_per_sm": 1}}]}
+    assert residency(layer, manifest) == {
+        "mega-sm_90a-m1-float32": {"grid": 72, "resident": 120, "ctas_per_sm": 1}
+    }
+    assert residency(NS(), manifest) == {}  # a stand-in layer without launchers
