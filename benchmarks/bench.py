@@ -509,7 +509,7 @@ class Bench:
         commit, date, toolchain and artifact (config name, hash and the
         model's ``MoEShape``); the method's constants (``routing``: how the
         routing kinds skew this model, ``routing_rule``); the mega/grouped
-        crossover; every row."""
+        crossover; each variant's ``residency``; every row."""
         facts = device_facts(self.device)
         manifest = self.artifact.manifest
         return {
