@@ -15,17 +15,7 @@ set -uo pipefail
 art=${1:?artifact}; out=${2:?output directory}; bench=${3:-}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 MOE_BUILD_ARTIFACT="$art" MOE_MEGA_ARTIFACTS="$art" MOE_GROUPED_ARTIFACTS="$art"
-status=0
-step() {  # name, command...
-    local name=$1; shift
-    echo "== $name"
-    "$@" >"$out/$name.log" 2>&1
-    local rc=$?
-    tail -n 25 "$out/$name.log"
-    echo "== $name: exit $rc"
-    [ $rc -ne 0 ] && [ $status -eq 0 ] && status=$rc
-    return 0
-}
+source "$(cd "$(dirname "$0")" && pwd)/steps.sh"
 step gpu-tests python3 -m pytest -q -s -rs -m gpu tests
 for tool in memcheck racecheck; do
     for v in mega-sm_90a-m1-float32 grouped-sm_90a-m8-float32-final; do

@@ -64,17 +64,8 @@ EOF
 mapfile -t arts <<<"$listing"
 echo "artifacts: ${arts[*]}"
 
-status=0
-step() {  # name, command...
-    local name=$1; shift
-    echo "== $name"
-    "$@" >"$out/$name.log" 2>&1
-    local rc=$?
-    tail -n 40 "$out/$name.log"
-    echo "== $name: exit $rc"
-    [ $rc -ne 0 ] && [ $status -eq 0 ] && status=$rc
-    return 0
-}
+STEP_TAIL=40
+source tests/gpu/steps.sh  # (the working directory is the repository root now)
 
 if [[ " $steps " == *" tests "* ]]; then
     joined=$(IFS=:; echo "${arts[*]}")
