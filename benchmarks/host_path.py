@@ -129,22 +129,27 @@ class NullDriver:
 
 def variants(shape: MoEShape, mega=MEGA_BUCKETS, grouped=GROUPED_BUCKETS) -> tuple[Variant, ...]:
     """The variants of one arch, named and laid out as the pipeline records
-    them (kernels.abi's parameters), for both logits dtypes."""
+    them (kernels.abi's parameters: routed only for a model without a shared
+    expert), for both logits dtypes."""
+    shared = bool(shape.shared_experts)
+    mega_abi = (abi.MEGA_PARAMS, abi.MEGA_MAPS) if shared else (abi.MEGA_ROUTED_PARAMS,
+                                                               abi.MEGA_ROUTED_MAPS)  # fmt: skip
+    grouped_abi = (abi.GROUPED_PARAMS, abi.GROUPED_MAPS) if shared else (
+        abi.GROUPED_ROUTED_PARAMS, abi.GROUPED_ROUTED_MAPS)  # fmt: skip
     found = []
     for dtype in ("float32", "bfloat16"):
         for m in mega:
-            found.append(_variant("mega", m, dtype, False, abi.MEGA_PARAMS,
+            found.append(_variant("mega", m, dtype, False, *mega_abi,
                                   (WorkspaceNeed("arrivals", 4 * m * 16, True),)))  # fmt: skip
         for m in grouped:
             for final in (False, True):
                 spaces = tuple(WorkspaceNeed(n, 4096, n == "counters") for n in GROUPED_WORKSPACE)
-                found.append(_variant("grouped", m, dtype, final, abi.GROUPED_PARAMS, spaces))
+                found.append(_variant("grouped", m, dtype, final, *grouped_abi, spaces))
     return tuple(sorted(found, key=lambda v: v.name))
 
 
-def _variant(kernel, tokens, dtype, finalize, params, workspace) -> Variant:
+def _variant(kernel, tokens, dtype, finalize, params, maps, workspace) -> Variant:
     name = f"{kernel}-sm_90a-m{tokens}-{dtype}" + ("-final" if finalize else "")
-    maps = abi.GROUPED_MAPS if kernel == "grouped" else abi.MEGA_MAPS
     return Variant(
         name=name, kernel=kernel, arch="sm_90a", tokens=tokens, logits_dtype=dtype,
         finalize=finalize, sms=132, entry=f"moe_{kernel}_0",
@@ -172,7 +177,8 @@ def inputs(shape: MoEShape, m: int, dtype=torch.float32, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, shape.hidden, generator=g).to(torch.bfloat16)
     logits = torch.randn(m, shape.experts, generator=g).to(dtype)
-    return x, logits, torch.randn(shape.experts, generator=g) * 0.1
+    bias = torch.randn(shape.experts, generator=g) * 0.1 if shape.bias else None
+    return x, logits, bias
 
 
 def per_call_us(fn, calls: int, repeats: int) -> tuple[float, float]:

@@ -120,8 +120,8 @@ class ReferenceLayer:
     ``dtypes``, ``device``): the float32 reference of ``shape``, outputs
     BF16-rounded. As runtime.moe's layer, it refuses a bias for a model
     without one (and None for one with one); for a model without a shared
-    expert ``mega(..., shared=True)`` gives None for the shared rows and
-    ``grouped`` gives rows the kernel never wrote (NaN: the poison)."""
+    expert ``mega(..., shared=True)`` and ``grouped`` give None for the
+    shared rows."""
 
     def __init__(self, routed, shared, shape, dtypes=("float32", "bfloat16"), device="cpu"):
         self.args = (routed, shared, shape)

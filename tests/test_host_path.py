@@ -404,3 +404,33 @@ def test_checks_after_an_accepted_call_refuse_as_before(which, fault, monkeypatc
         x, logits = (good[n][:1].expand(m, -1).contiguous() for n in ("x", "logits"))
         with pytest.raises(InputError, match=rf"in 1..64, found {m}"):
             check_call(x, logits, good["bias"], SHAPE, CPU, BOTH)
+
+
+def test_a_model_without_bias_or_shared_expert_launches_the_routed_abi(null):
+    """A softmax model without a bias or a shared expert (Qwen3): the layer
+    binds its routed-only variants, takes bias None and launches 0 in the
+    bias slot (the kernels never read it), writes the MoE output where it
+    returns it, and gives no shared rows."""
+    import dataclasses
+
+    from benchmarks.host_path import cpu_layer
+    from benchmarks.host_path import variants as shape_variants
+
+    shape = dataclasses.replace(SHAPE, shared_experts=0, bias=False, score="softmax")
+    layer = cpu_layer(shape, shape_variants(shape))
+    try:
+        for m in (1, 3, 8, 13):
+            x, logits, bias = inputs(shape, m)
+            assert bias is None
+            y = layer(x, logits, None)
+            variant = layer._variant(layer.tables["float32"][m], "float32")
+            values = _launched(null, variant)
+            assert "s13_scale" not in values and "shared_out" not in values, variant.name
+            assert values["bias"] == 0 and values["final"] == y.data_ptr()
+            assert values["x"] == x.data_ptr() or m != variant.tokens
+        *_, shared = layer.grouped(*inputs(shape, 8)[:2], None)
+        assert shared is None
+        with pytest.raises(InputError, match="pass None"):
+            layer(*inputs(SHAPE, 2))
+    finally:
+        layer.artifact.close()
