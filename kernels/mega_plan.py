@@ -33,9 +33,9 @@ The CTAs per SM and the ring depth follow from the call's grid (sm_90a,
 ``occupancy``): the fewest CTAs per SM at which every cluster of a call is
 resident at once (one wave), and the deepest ring that occupancy leaves the
 shared memory for, since with fewer CTAs per SM each needs more bytes in
-flight. Measured on the H200 with the cluster occupancy the driver reports:
-15 8-CTA clusters resident at 1 CTA per SM, 30 at 2, 45 at 3, 7 of 16 CTAs
-at 1 (``RESIDENT``, ``resident_clusters``);
+flight (``resident_clusters``: the target's SM count over the cluster size;
+measured on the H200 with the cluster occupancy the driver reports: 15
+8-CTA clusters resident at 1 CTA per SM, 30 at 2, 45 at 3);
 GLM-5's M * (top_k + 1) clusters then take 1, 2, 2 and 3 CTAs per SM at
 M = 1..4. ``docs/notes/mega-sm90.md`` has the measurements behind each
 choice.
@@ -107,18 +107,15 @@ ARCH = {
 }  # fmt: skip
 
 
-#: SMs that clusters fill per CTA per SM, of the H200's 132
-#: (cuOccupancyMaxActiveClusters of the built variants: 15 8-CTA clusters at
-#: 1 CTA per SM, 30 at 2, 45 at 3; 7 16-CTA clusters at 1): GPC boundaries
-#: leave the rest unfilled. ``occupancy`` scales it to a target's SM count.
-RESIDENT = (15 * 8, 132)
-
-
 def resident_clusters(sms: int, cluster: int, ctas_per_sm: int) -> int:
     """Clusters of ``cluster`` CTAs resident at once at ``ctas_per_sm`` on a
-    target of ``sms`` SMs (``RESIDENT``'s fill: 15 of 8 CTAs and 7 of 16 on
-    the H200 at 1 CTA per SM, as measured)."""
-    return ctas_per_sm * (sms * RESIDENT[0] // RESIDENT[1] // cluster)
+    target of ``sms`` SMs (the config's ``targets[].sms``): ``sms // cluster``
+    per CTA per SM, an upper bound. GPC boundaries leave some SMs unfilled:
+    the H200 (132 SMs) holds 15 eight-CTA clusters per CTA per SM, not 16,
+    and 7 of 16 CTAs, not 8 (cuOccupancyMaxActiveClusters,
+    docs/notes/mega-sm90.md); ``moe-build bench`` records each variant's
+    residency on the device it runs on."""
+    return ctas_per_sm * (sms // cluster)
 
 
 def occupancy(arch: str, clusters: int, cluster: int, sms: int) -> int:

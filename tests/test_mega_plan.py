@@ -205,17 +205,18 @@ def test_glm5_is_served_on_both_archs_and_other_inputs_are_refused():
 
 
 def test_ring_depth_holds_every_cluster_at_its_ctas_per_sm():
-    """sm_90a: with c CTAs per SM an H200 holds 15 c eight-CTA clusters
-    (cuOccupancyMaxActiveClusters of the built variants, ``RESIDENT``); a
-    variant takes the fewest CTAs per SM at which its call's clusters are all
+    """sm_90a: with c CTAs per SM a target holds at most c * (sms //
+    cluster) clusters (``resident_clusters``; an H200 holds 15 c eight-CTA
+    ones); a variant takes the fewest CTAs per SM at which its call's clusters are all
     resident (else the most), and the ring is as deep as the shared memory
     at that occupancy allows. GLM-5 at M = 1..4: 1, 2, 2, 3 CTAs per SM with
     10, 6, 6, 3 stages (what was measured best, docs/notes/mega-sm90.md)."""
     glm5 = [plan("sm_90a", tokens=m, sms=132) for m in range(1, mp.MEGA_TOKENS + 1)]
     assert [(p.ctas_per_sm, p.stages) for p in glm5] == [(1, 10), (2, 6), (2, 6), (3, 3)]
-    # The measured fills: 15 8-CTA and 7 16-CTA clusters a CTA per SM.
-    assert [mp.resident_clusters(132, 8, c) for c in (1, 2, 3)] == [15, 30, 45]
-    assert mp.resident_clusters(132, 16, 1) == 7
+    # At most sms // cluster clusters a CTA per SM (the H200 holds 15 and 7
+    # of 8 and 16 CTAs: GPC boundaries), whatever the target's SM count.
+    assert [mp.resident_clusters(132, 8, c) for c in (1, 2, 3)] == [16, 32, 48]
+    assert mp.resident_clusters(132, 16, 1) == 8 and mp.resident_clusters(148, 16, 2) == 18
     for shape in SHAPES["sm_90a"]:
         for tokens in range(1, mp.MEGA_TOKENS + 1):
             p = plan("sm_90a", tokens=tokens, sms=132, **shape)
