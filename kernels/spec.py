@@ -14,7 +14,7 @@ the names are listed in ``PARAMETER_NAMES``.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from runtime.constants import MAX_TOKENS
 
@@ -55,13 +55,36 @@ PARAMETER_NAMES = {
 TENSOR_MAPS = ("w13", "w2", "s13", "s2")
 
 
+@dataclass(frozen=True, kw_only=True)
+class Routing:
+    """The routing family a kernel is compiled for, a compile-time value of
+    the device routing (``kernels/moe_common``); ``runtime.model.MoEShape``'s
+    fields of the same names, the defaults GLM-5's: the score function
+    (``sigmoid``, or ``softmax`` over all experts), whether a
+    score-correction bias is added for selection, ``groups`` equal expert
+    groups of which the ``groups_kept`` best are kept, and whether the
+    weights are divided by their sum. A ``KernelSpec`` carries these fields
+    (keyword-only) and gives them back as ``spec.routing``."""
+
+    score: str = "sigmoid"
+    bias: bool = True
+    groups: int = 1
+    groups_kept: int = 1
+    renormalize: bool = True
+
+    @property
+    def limits_groups(self) -> bool:
+        """Whether a token drops expert groups (``groups_kept < groups``)."""
+        return self.groups_kept < self.groups
+
+
 @dataclass(frozen=True)
-class KernelSpec:
+class KernelSpec(Routing):
     """Every input that changes one variant's generated code.
 
     Units: ``hidden``/``inter`` in elements, ``tokens`` = M (the bucket),
     ``sms`` = the SM count the variant is compiled for (grid of persistent
-    kernels)."""
+    kernels). The routing family's fields are ``Routing``'s (keyword-only)."""
 
     kernel: str
     arch: str
@@ -80,38 +103,11 @@ class KernelSpec:
     #: Shared experts the layer adds (0 or 1): the mega kernels compute it in
     #: extra routes when 1.
     shared_experts: int = 1
-    #: Routing family (``runtime.model.MoEShape``'s fields of the same names;
-    #: the defaults are GLM-5's): the score function (``sigmoid`` or
-    #: ``softmax`` over all experts), whether a score-correction bias is added
-    #: for selection, ``groups`` equal expert groups of which the
-    #: ``groups_kept`` best are kept, and whether the weights are divided by
-    #: their sum.
-    score: str = "sigmoid"
-    bias: bool = True
-    groups: int = 1
-    groups_kept: int = 1
-    renormalize: bool = True
 
     @property
     def routing(self) -> Routing:
-        return Routing(self.score, self.bias, self.groups, self.groups_kept, self.renormalize)
-
-
-@dataclass(frozen=True)
-class Routing:
-    """The routing family a kernel is compiled for (``KernelSpec.routing``),
-    a compile-time value of the device routing (``kernels/moe_common``)."""
-
-    score: str = "sigmoid"
-    bias: bool = True
-    groups: int = 1
-    groups_kept: int = 1
-    renormalize: bool = True
-
-    @property
-    def limits_groups(self) -> bool:
-        """Whether a token drops expert groups (``groups_kept < groups``)."""
-        return self.groups_kept < self.groups
+        """The spec's routing fields as a ``Routing``."""
+        return Routing(**{f.name: getattr(self, f.name) for f in fields(Routing)})
 
 
 @dataclass(frozen=True)
