@@ -342,30 +342,21 @@ class MegaKernel:
         codes = cute.make_rmem_tensor(cute.make_layout((4 * passes,)), cutlass.Uint32)
         for j in cutlass.range_constexpr(passes):
             kb = e // 8 + 16 * j
-            if cutlass.const_expr(blocks1 % 16 == 0):
-                words, x_scale = mgc.quantize_chunk(x_row, first + kb, chunk, self.ue8m0)
-            else:
-                words, x_scale = mgc.quantize_chunk(x_row, first + cutlass.min(kb, blocks1 - 1),
-                                                    chunk, self.ue8m0)  # fmt: skip
+            words, x_scale = mgc.quantize_chunk(x_row, first + cutlass.min(kb, blocks1 - 1),
+                                                chunk, self.ue8m0)  # fmt: skip
             for w in cutlass.range_constexpr(4):
                 codes[4 * j + w] = words[w]
             if chunk == 0:
-                if cutlass.const_expr(blocks1 % 16 == 0):
+                if kb < blocks1:
                     ptx.st_shared_f32(sm + plan.offset("xscale") + kb * 4, x_scale)
-                else:
-                    if kb < blocks1:
-                        ptx.st_shared_f32(sm + plan.offset("xscale") + kb * 4, x_scale)
         b1 = sm + plan.offset("b1")
         mgc.zero_b_tiles(plan, b1, blocks1, e, mgc.GROUP_THREADS, False)
         ptx.bar_sync(EPILOGUE_BARRIER, mgc.GROUP_THREADS)
         for j in cutlass.range_constexpr(passes):
             kb = e // 8 + 16 * j
-            words = [codes[4 * j + w] for w in range(4)]
-            if cutlass.const_expr(blocks1 % 16 == 0):
-                mgc.store_b_chunk(plan, b1, kb, kb % COLUMNS, chunk, words)
-            else:
-                if kb < blocks1:
-                    mgc.store_b_chunk(plan, b1, kb, kb % COLUMNS, chunk, words)
+            if kb < blocks1:
+                mgc.store_b_chunk(plan, b1, kb, kb % COLUMNS, chunk,
+                                  [codes[4 * j + w] for w in range(4)])  # fmt: skip
         ptx.fence_proxy_async_shared()
         cute.arch.sync_warp()
         if lane == 0:

@@ -276,10 +276,13 @@ class MegaPlan:
         return self.config.order[self.tokens]
 
     @property
-    def stages(self) -> int:
-        """Ring depth: the arch's ``ring`` at the variant's CTAs per SM, fewer
-        where that many CTAs of this shape would not fit an SM's shared
-        memory (``SMEM_PER_SM``), at least MIN_STAGES."""
+    def stages(self) -> int:  # ring depth (``_ring_depth``), as the layout holds it
+        return self.regions.sizes["stages"] // STAGE_BYTES
+
+    def _ring_depth(self) -> int:
+        """The arch's ``ring`` at the variant's CTAs per SM, fewer where that
+        many CTAs of this shape would not fit an SM's shared memory
+        (``SMEM_PER_SM``), at least MIN_STAGES."""
         c = self.ctas_per_sm
         for stages in range(self.config.ring[c], MIN_STAGES, -1):
             if c * (self._layout(stages).end + SMEM_RESERVED) <= SMEM_PER_SM[self.arch]:
@@ -317,7 +320,7 @@ class MegaPlan:
         return self.regions.offsets[name]
 
     def __post_init__(self):
-        object.__setattr__(self, "regions", self._layout(self.stages))
+        object.__setattr__(self, "regions", self._layout(self._ring_depth()))
 
     def _layout(self, stages: int) -> Regions:
         """The shared-memory regions at ``stages`` ring stages."""
