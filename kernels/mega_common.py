@@ -76,6 +76,79 @@ def resolve(plan: mp.MegaPlan, group, maps: Int64, w13_scale: Int64, w2_scale: I
     return route, token, k, is_shared, map1, map1 + MAP_BYTES, scale1, scale2, row
 
 
+class MegaEntries:
+    """The mega kernels' entry points, one set for both archs: ``__call__`` /
+    ``routed_only`` (the launches with and without the shared expert's
+    routes: ``PARAMS`` / ``ROUTED_PARAMS``) and ``kernel`` / ``kernel_routed``
+    (their kernels, which pass every operand's address to the arch's
+    ``body``; the shared expert's are 0 without one). An arch's kernel class
+    provides ``ENTRY`` (the entry name's prefix), ``launch(kernel, stream)``
+    and ``body``."""
+
+    ENTRY = "moe_mega"
+
+    @cute.jit
+    def __call__(self, maps: cute.Tensor, w13_scale: cute.Tensor, w2_scale: cute.Tensor,
+                 s13_scale: cute.Tensor, s2_scale: cute.Tensor, x: cute.Tensor,
+                 logits: cute.Tensor, bias: cute.Tensor, rows1: cute.Tensor, rows2: cute.Tensor,
+                 out: cute.Tensor, shared_out: cute.Tensor, final: cute.Tensor,
+                 ids: cute.Tensor, weights: cute.Tensor, arrivals: cute.Tensor,
+                 stream):  # fmt: skip
+        """Launch with the shared expert (``mega_common.PARAMS``)."""
+        self.kernel.set_name_prefix(self.ENTRY, remove_cutlass_symbol=True,
+                                    keep_mangled_name=False)  # fmt: skip
+        self.launch(
+            self.kernel(maps, w13_scale, w2_scale, s13_scale, s2_scale, x, logits, bias, rows1,
+                        rows2, out, shared_out, final, ids, weights, arrivals),
+            stream,
+        )  # fmt: skip
+
+    @cute.jit
+    def routed_only(self, maps: cute.Tensor, w13_scale: cute.Tensor, w2_scale: cute.Tensor,
+                    x: cute.Tensor, logits: cute.Tensor, bias: cute.Tensor, rows1: cute.Tensor,
+                    rows2: cute.Tensor, out: cute.Tensor, final: cute.Tensor,
+                    ids: cute.Tensor, weights: cute.Tensor, arrivals: cute.Tensor,
+                    stream):  # fmt: skip
+        """Launch without a shared expert (``mega_common.ROUTED_PARAMS``)."""
+        self.kernel_routed.set_name_prefix(self.ENTRY, remove_cutlass_symbol=True,
+                                           keep_mangled_name=False)  # fmt: skip
+        self.launch(
+            self.kernel_routed(maps, w13_scale, w2_scale, x, logits, bias, rows1, rows2, out,
+                               final, ids, weights, arrivals),
+            stream,
+        )  # fmt: skip
+
+    @cute.kernel
+    def kernel(self, maps: cute.Tensor, w13_scale: cute.Tensor, w2_scale: cute.Tensor,
+               s13_scale: cute.Tensor, s2_scale: cute.Tensor, x: cute.Tensor,
+               logits: cute.Tensor, bias: cute.Tensor, rows1: cute.Tensor, rows2: cute.Tensor,
+               out: cute.Tensor, shared_out: cute.Tensor, final: cute.Tensor,
+               ids: cute.Tensor, weights: cute.Tensor, arrivals: cute.Tensor):  # fmt: skip
+        self.body(
+            maps.iterator.toint(), w13_scale.iterator.toint(), w2_scale.iterator.toint(),
+            s13_scale.iterator.toint(), s2_scale.iterator.toint(), x.iterator.toint(),
+            logits.iterator.toint(), bias.iterator.toint(), rows1.iterator.toint(),
+            rows2.iterator.toint(), out.iterator.toint(), shared_out.iterator.toint(),
+            final.iterator.toint(), ids.iterator.toint(), weights.iterator.toint(),
+            arrivals.iterator.toint(),
+        )  # fmt: skip
+
+    @cute.kernel
+    def kernel_routed(self, maps: cute.Tensor, w13_scale: cute.Tensor, w2_scale: cute.Tensor,
+                      x: cute.Tensor, logits: cute.Tensor, bias: cute.Tensor,
+                      rows1: cute.Tensor, rows2: cute.Tensor, out: cute.Tensor,
+                      final: cute.Tensor, ids: cute.Tensor, weights: cute.Tensor,
+                      arrivals: cute.Tensor):  # fmt: skip
+        none = Int64(0)  # no shared routes: never read
+        self.body(
+            maps.iterator.toint(), w13_scale.iterator.toint(), w2_scale.iterator.toint(),
+            none, none, x.iterator.toint(), logits.iterator.toint(), bias.iterator.toint(),
+            rows1.iterator.toint(), rows2.iterator.toint(), out.iterator.toint(), none,
+            final.iterator.toint(), ids.iterator.toint(), weights.iterator.toint(),
+            arrivals.iterator.toint(),
+        )  # fmt: skip
+
+
 # -- routing ----------------------------------------------------------------------------------
 
 

@@ -75,8 +75,10 @@ IDESC = tc.instruction_desc_e4m3(TILE, COLUMNS)
 EPILOGUE_BARRIER = 1
 
 
-class MegaKernel:
+class MegaKernel(mgc.MegaEntries):
     """One variant (its ``mega_plan.MegaPlan``) of the Blackwell mega kernel."""
+
+    ENTRY = ENTRY_PREFIX
 
     def __init__(self, plan: mp.MegaPlan, *, scale: float, limit: float | None, ue8m0: bool,
                  logits_bf16: bool, routing: Routing):  # fmt: skip
@@ -97,63 +99,6 @@ class MegaKernel:
             # Both CTAs of an SM need the full shared-memory carveout. Given
             # here, the DSL also stops asking a (missing) device for its size.
             preferred_smem_carveout=SMEM_CARVEOUT,
-        )  # fmt: skip
-
-    @cute.jit
-    def __call__(self, maps: cute.Tensor, w13_scale: cute.Tensor, w2_scale: cute.Tensor,
-                 s13_scale: cute.Tensor, s2_scale: cute.Tensor, x: cute.Tensor,
-                 logits: cute.Tensor, bias: cute.Tensor, rows1: cute.Tensor, rows2: cute.Tensor,
-                 out: cute.Tensor, shared_out: cute.Tensor, final: cute.Tensor,
-                 ids: cute.Tensor, weights: cute.Tensor, arrivals: cute.Tensor,
-                 stream):  # fmt: skip
-        """Launch with the shared expert (``mega_common.PARAMS``)."""
-        self.launch(
-            self.kernel(maps, w13_scale, w2_scale, s13_scale, s2_scale, x, logits, bias, rows1,
-                        rows2, out, shared_out, final, ids, weights, arrivals),
-            stream,
-        )  # fmt: skip
-
-    @cute.jit
-    def routed_only(self, maps: cute.Tensor, w13_scale: cute.Tensor, w2_scale: cute.Tensor,
-                    x: cute.Tensor, logits: cute.Tensor, bias: cute.Tensor, rows1: cute.Tensor,
-                    rows2: cute.Tensor, out: cute.Tensor, final: cute.Tensor,
-                    ids: cute.Tensor, weights: cute.Tensor, arrivals: cute.Tensor,
-                    stream):  # fmt: skip
-        """Launch without a shared expert (``mega_common.ROUTED_PARAMS``)."""
-        self.launch(
-            self.kernel_routed(maps, w13_scale, w2_scale, x, logits, bias, rows1, rows2, out,
-                               final, ids, weights, arrivals),
-            stream,
-        )  # fmt: skip
-
-    @cute.kernel
-    def kernel(self, maps: cute.Tensor, w13_scale: cute.Tensor, w2_scale: cute.Tensor,
-               s13_scale: cute.Tensor, s2_scale: cute.Tensor, x: cute.Tensor,
-               logits: cute.Tensor, bias: cute.Tensor, rows1: cute.Tensor, rows2: cute.Tensor,
-               out: cute.Tensor, shared_out: cute.Tensor, final: cute.Tensor,
-               ids: cute.Tensor, weights: cute.Tensor, arrivals: cute.Tensor):  # fmt: skip
-        self.body(
-            maps.iterator.toint(), w13_scale.iterator.toint(), w2_scale.iterator.toint(),
-            s13_scale.iterator.toint(), s2_scale.iterator.toint(), x.iterator.toint(),
-            logits.iterator.toint(), bias.iterator.toint(), rows1.iterator.toint(),
-            rows2.iterator.toint(), out.iterator.toint(), shared_out.iterator.toint(),
-            final.iterator.toint(), ids.iterator.toint(), weights.iterator.toint(),
-            arrivals.iterator.toint(),
-        )  # fmt: skip
-
-    @cute.kernel
-    def kernel_routed(self, maps: cute.Tensor, w13_scale: cute.Tensor, w2_scale: cute.Tensor,
-                      x: cute.Tensor, logits: cute.Tensor, bias: cute.Tensor,
-                      rows1: cute.Tensor, rows2: cute.Tensor, out: cute.Tensor,
-                      final: cute.Tensor, ids: cute.Tensor, weights: cute.Tensor,
-                      arrivals: cute.Tensor):  # fmt: skip
-        none = Int64(0)  # no shared routes: never read
-        self.body(
-            maps.iterator.toint(), w13_scale.iterator.toint(), w2_scale.iterator.toint(),
-            none, none, x.iterator.toint(), logits.iterator.toint(), bias.iterator.toint(),
-            rows1.iterator.toint(), rows2.iterator.toint(), out.iterator.toint(), none,
-            final.iterator.toint(), ids.iterator.toint(), weights.iterator.toint(),
-            arrivals.iterator.toint(),
         )  # fmt: skip
 
     @cute.jit
@@ -441,10 +386,6 @@ class MegaKernel:
         with cute.arch.elect_one():
             tc.umma_k128(d, a, b, Int32(IDESC), accumulate)
             tc.tcgen05_commit(empty)
-
-
-for _kernel in (MegaKernel.kernel, MegaKernel.kernel_routed):
-    _kernel.set_name_prefix(ENTRY_PREFIX, remove_cutlass_symbol=True, keep_mangled_name=False)
 
 
 def compile_kernel(spec: KernelSpec) -> CompiledKernel:
