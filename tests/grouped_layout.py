@@ -81,3 +81,41 @@ def layout_problems(layout: gp.SmemLayout, plan: gp.GroupedPlan, limit: int) -> 
     if layout.total > limit:
         problems.append(f"total {layout.total} B exceeds the limit {limit} B")
     return problems
+
+
+def check_kernel_layout(kernel, arch: str) -> None:
+    """A grouped kernel object's own layout fits ``arch``'s limit at the
+    deepest stage count that does (``grouped_plan.stage_bounds`` of the
+    plan's depth), every region as large and aligned as the device code
+    needs."""
+    from runtime.constants import SMEM_LIMIT
+
+    lay, p = kernel.layout, kernel.plan
+    limit = SMEM_LIMIT[arch]
+    assert not layout_problems(lay, p, limit), layout_problems(lay, p, limit)
+    most, fewest = gp.stage_bounds(p.depth)
+    assert fewest <= lay.stages <= most
+    if lay.stages < most:
+        assert gp.smem_layout(p, lay.stages + 1, lay.gatherers, lay.slots).total > limit
+
+
+def check_notes(kernel, arch: str, threads: int) -> dict:
+    """A grouped kernel's compile notes follow the mega kernels' schema
+    (``mega_common.notes``): ``smem_layout`` {name: [offset, bytes]} from the
+    layout builder, ``stages`` x ``stage_bytes`` the ring (weight and token
+    stages), the FC2 claim size as ``fc2_jobs_per_claim``, one CTA per SM,
+    the arch's limit; returns the notes."""
+    from runtime.constants import SMEM_LIMIT
+
+    notes, lay = kernel.notes(), kernel.layout
+    for key in ("stages", "stage_bytes", "ctas_per_sm", "threads", "smem_layout", "smem_limit",
+                "fc2_jobs_per_claim", "accumulator_slots"):  # fmt: skip
+        assert key in notes, key
+    table = notes["smem_layout"]
+    assert table == lay.table() and [n for n, _, _ in lay.regions()] == list(table)
+    assert all(table[n][0] == o and table[n][1] <= size for n, o, size in lay.regions())
+    assert notes["stages"] * notes["stage_bytes"] == table["w"][1] + table["b"][1]
+    assert (notes["threads"], notes["ctas_per_sm"]) == (threads, 1)
+    assert notes["smem_limit"] == SMEM_LIMIT[arch]
+    assert notes["fc2_jobs_per_claim"] == kernel.plan.chunk
+    return notes

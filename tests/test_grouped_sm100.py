@@ -18,7 +18,7 @@ import inspect
 from pathlib import Path
 
 import pytest
-from grouped_layout import layout_problems
+from grouped_layout import check_kernel_layout, check_notes
 from sass_tools import compile_specs, count, cuobjdump, glm5_specs, resources, sass_counts
 
 from runtime.constants import SMEM_LIMIT, SMEM_OPTIN, TILE
@@ -65,14 +65,9 @@ def test_the_layout_the_kernel_builds_keeps_the_device_contract(tokens):
     sm_100a's limit, at the deepest stage count that does, with every region
     as large and aligned as the device code needs and none overlapping."""
     k = kernel(tokens)
-    lay, p = k.layout, k.plan
-    assert (lay.gatherers, lay.slots) == (k.GATHERERS, k.slots)
-    assert lay == grouped.layout_of(p)  # what compile_kernel records
-    limit = SMEM_LIMIT["sm_100a"]
-    assert not layout_problems(lay, p, limit), layout_problems(lay, p, limit)
-    assert gp.MIN_STAGES <= lay.stages <= gp.MAX_STAGES
-    if lay.stages < gp.MAX_STAGES:
-        assert gp.smem_layout(p, lay.stages + 1, lay.gatherers, lay.slots).total > limit
+    assert (k.layout.gatherers, k.layout.slots) == (k.GATHERERS, k.slots)
+    assert k.layout == grouped.layout_of(k.plan)  # what compile_kernel records
+    check_kernel_layout(k, "sm_100a")
 
 
 @pytest.mark.parametrize("tokens", [8, 64])
@@ -82,17 +77,8 @@ def test_notes_follow_the_mega_schema(tokens):
     layout builder, ``stages`` x ``stage_bytes`` the ring (weight and token
     stages), and the FC2 claim size as ``fc2_jobs_per_claim``."""
     k = kernel(tokens)
-    notes, lay = k.notes(), k.layout
-    for key in ("stages", "stage_bytes", "ctas_per_sm", "threads", "smem_layout", "smem_limit",
-                "fc2_jobs_per_claim", "accumulator_slots"):  # fmt: skip
-        assert key in notes, key
-    table = notes["smem_layout"]
-    assert table == lay.table() and [n for n, _, _ in lay.regions()] == list(table)
-    assert all(table[n][0] == o and table[n][1] <= size for n, o, size in lay.regions())
-    assert notes["stages"] * notes["stage_bytes"] == table["w"][1] + table["b"][1]
-    assert (notes["threads"], notes["ctas_per_sm"]) == (THREADS, 1)
-    assert notes["smem_limit"] == SMEM_LIMIT["sm_100a"] and notes["accumulator_slots"] == k.slots
-    assert notes["fc2_jobs_per_claim"] == k.plan.chunk
+    notes = check_notes(k, "sm_100a", THREADS)
+    assert notes["accumulator_slots"] == k.slots
 
 
 def test_stage_counts_of_the_glm5_buckets():

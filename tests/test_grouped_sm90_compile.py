@@ -14,7 +14,7 @@ import dataclasses
 import re
 
 import pytest
-from grouped_layout import layout_problems
+from grouped_layout import check_kernel_layout, check_notes
 from sass_tools import compile_specs, count, cuobjdump, resources, sass_counts
 
 from runtime.constants import SMEM_LIMIT, SMEM_OPTIN
@@ -74,13 +74,8 @@ def test_the_layout_the_kernel_builds_keeps_the_device_contract(tokens):
     warpgroup is the epilogue) fits sm_90a's limit at the deepest stage count
     that does, every region as large and aligned as the device code needs."""
     k = grouped.GroupedMoeSm90(spec(tokens))
-    lay, p = k.layout, k.plan
-    assert (lay.gatherers, lay.slots) == (grouped.GATHERERS, 0)
-    limit = SMEM_LIMIT["sm_90a"]
-    assert not layout_problems(lay, p, limit), layout_problems(lay, p, limit)
-    assert gp.MIN_STAGES <= lay.stages <= gp.MAX_STAGES
-    if lay.stages < gp.MAX_STAGES:
-        assert gp.smem_layout(p, lay.stages + 1, lay.gatherers, lay.slots).total > limit
+    assert (k.layout.gatherers, k.layout.slots) == (grouped.GATHERERS, 0)
+    check_kernel_layout(k, "sm_90a")
 
 
 @pytest.mark.parametrize("tokens", [8, 64])
@@ -91,17 +86,8 @@ def test_notes_follow_the_mega_schema(tokens):
     stages), the FC2 claim size as ``fc2_jobs_per_claim``; no accumulator
     slots (the MMA warpgroup is the epilogue)."""
     k = grouped.GroupedMoeSm90(spec(tokens))
-    notes, lay = k.notes(), k.layout
-    for key in ("stages", "stage_bytes", "ctas_per_sm", "threads", "smem_layout", "smem_limit",
-                "fc2_jobs_per_claim", "accumulator_slots"):  # fmt: skip
-        assert key in notes, key
-    table = notes["smem_layout"]
-    assert table == lay.table() and [n for n, _, _ in lay.regions()] == list(table)
-    assert all(table[n][0] == o and table[n][1] <= size for n, o, size in lay.regions())
-    assert notes["stages"] * notes["stage_bytes"] == table["w"][1] + table["b"][1]
-    assert (notes["threads"], notes["ctas_per_sm"], notes["accumulator_slots"]) == (THREADS, 1, 0)
-    assert notes["smem_limit"] == SMEM_LIMIT["sm_90a"]
-    assert notes["fc2_jobs_per_claim"] == k.plan.chunk
+    notes = check_notes(k, "sm_90a", THREADS)
+    assert notes["accumulator_slots"] == 0
 
 
 @pytest.fixture(scope="module")
