@@ -148,9 +148,10 @@ class MegaMoeSm90(mgc.MegaEntries):
         empty = full + 8 * self.stages
         gate_in = full + 16 * self.stages
         hrecv = gate_in + 8
+        pair = hrecv + 8  # the other K parts' row sums arrived (part 0; split > 1)
 
         if tid == 0:
-            self.init_barriers(full, empty, gate_in, hrecv, rank)
+            self.init_barriers(full, empty, gate_in, hrecv, pair, rank)
         if warp == PRODUCER_WARP:
             if lane == 0:
                 # No tensor-map proxy fence: the runtime never rewrites a maps
@@ -204,23 +205,32 @@ class MegaMoeSm90(mgc.MegaEntries):
                                                       weights, record, self.scale,
                                                       self.logits_bf16, self.routing)  # fmt: skip
             self.consume(
-                base, full, empty, gate_in, hrecv, tid, lane, rank, token, expert, scale1,
-                scale2, x, rows1, rows2, row,
+                base, full, empty, gate_in, hrecv, pair, tid, lane, rank, token, expert,
+                scale1, scale2, x, rows1, rows2, row,
             )  # fmt: skip
             mgc.finish_slice(plan, base, tid, token, rank, weight, out, shared_out, final,
                              arrivals, WG_BARRIER)  # fmt: skip
 
     @cute.jit
-    def init_barriers(self, full, empty, gate_in, hrecv, rank):
-        """One thread: the ring's full/empty barriers, the gate and hidden
-        barriers with their expected bytes."""
+    def init_barriers(self, full, empty, gate_in, hrecv, pair, rank):
+        """One thread: the ring's full/empty barriers, the gate, hidden and
+        (K split) pair barriers with their expected bytes."""
+        plan = self.plan
         for s in cutlass.range_constexpr(self.stages):
             ptx.mbarrier_init(full + 8 * s, 1)
             ptx.mbarrier_init(empty + 8 * s, MMA_THREADS // 32)
         ptx.mbarrier_init(gate_in, 1)
         ptx.mbarrier_init(hrecv, 1)
-        if rank < self.nk2:
-            ptx.mbarrier_arrive_expect_tx(gate_in, TILE * 4)
+        if cutlass.const_expr(plan.split == 1):
+            if rank < self.nk2:
+                ptx.mbarrier_arrive_expect_tx(gate_in, TILE * 4)
+        else:
+            ptx.mbarrier_init(pair, 1)
+            if rank % plan.split == 0:
+                # The other K parts' row sums; an up tile's gate values.
+                ptx.mbarrier_arrive_expect_tx(pair, (plan.split - 1) * TILE * 4)
+                if rank // plan.split < self.nk2:
+                    ptx.mbarrier_arrive_expect_tx(gate_in, TILE * 4)
         # Every up tile's FP8 hidden block and its scale.
         ptx.mbarrier_arrive_expect_tx(hrecv, self.nk2 * (TILE + 4))
         ptx.fence_mbarrier_init()
@@ -251,44 +261,54 @@ class MegaMoeSm90(mgc.MegaEntries):
             ptx.cluster_wait_divergent()
 
     @cute.jit
-    def consume(self, base, full, empty, gate_in, hrecv, tid, lane, rank, token, expert,
+    def consume(self, base, full, empty, gate_in, hrecv, pair, tid, lane, rank, token, expert,
                 w13_scale, w2_scale, x, rows1, rows2, out_row):  # fmt: skip
-        """The MMA warpgroup: quantize the token, GEMM1, the DSMEM exchange
-        (gate values to the up CTA, hidden broadcast), GEMM2 and the output
-        row at ``out_row`` (all global operands are byte addresses; the
-        scales are the expert set's: ``expert`` indexes them)."""
+        """The MMA warpgroup: quantize the token's K part, GEMM1, the DSMEM
+        exchange (K parts' row sums to part 0, gate values to the up CTA,
+        hidden broadcast), GEMM2 and the output row at ``out_row`` (all
+        global operands are byte addresses; the scales are the expert set's:
+        ``expert`` indexes them)."""
         plan = self.plan
         stages, nk1, nk2, tiles2 = self.stages, self.nk1, self.nk2, self.tiles2
+        blocks1 = plan.blocks1  # this CTA's GEMM1 K blocks (its K part)
+        if cutlass.const_expr(plan.split == 1):
+            tile = rank
+        else:
+            tile = rank // plan.split  # GEMM1 row tile; K part rank % split
+            first = (rank % plan.split) * blocks1  # the part's first K block
         b1 = base + plan.offset("b1")
         xscale = base + plan.offset("xscale")
-        sets = -(-nk1 // 8)  # accumulator column sets (the last may be partial)
+        sets = -(-blocks1 // 8)  # accumulator column sets (the last may be partial)
         quad = lane % 4
         r0 = (tid // 32) * 16 + lane // 4  # fragment row of this thread (and r0 + 8)
         # The one row of 128 this thread owns after the quad reduction.
         row = (quad // 2) * 64 + r0 + (quad % 2) * 8
 
-        # Thread t quantizes 16-value chunk t % 8 of K blocks t // 8 + 16 j (FP8
-        # per 128) and keeps the codes for the B tile refills. Past the last K
-        # block (nk1 not a multiple of 16) the 8 lanes of a block quantize the
-        # last one again (the amax is a shuffle of all 8) and keep nothing.
-        per = -(-nk1 // 16)
+        # Thread t quantizes 16-value chunk t % 8 of the part's K blocks
+        # t // 8 + 16 j (FP8 per 128) and keeps the codes for the B tile
+        # refills. Past the part's last K block (blocks1 not a multiple of 16)
+        # the 8 lanes of a block quantize the last one again (the amax is a
+        # shuffle of all 8) and keep nothing.
+        per = -(-blocks1 // 16)
         chunk = tid % 8
         codes = cute.make_rmem_tensor(cute.make_layout((4 * per,)), Uint32)
         x_row = x + Int64(token) * (self.hidden * 2)
         for j in cutlass.range_constexpr(per):
             kb = tid // 8 + 16 * j
-            if cutlass.const_expr(nk1 % 16 == 0):
-                words, sx = mgc.quantize_chunk(x_row, kb, chunk, self.ue8m0)
+            if cutlass.const_expr(blocks1 % 16 == 0):
+                kx = kb
             else:
-                words, sx = mgc.quantize_chunk(x_row, cutlass.min(kb, nk1 - 1), chunk,
-                                               self.ue8m0)  # fmt: skip
+                kx = cutlass.min(kb, blocks1 - 1)
+            if cutlass.const_expr(plan.split > 1):
+                kx = first + kx
+            words, sx = mgc.quantize_chunk(x_row, kx, chunk, self.ue8m0)
             for w in cutlass.range_constexpr(4):
                 codes[4 * j + w] = words[w]
             if chunk == 0:
-                if cutlass.const_expr(nk1 % 16 == 0):
+                if cutlass.const_expr(blocks1 % 16 == 0):
                     ptx.st_shared_f32(xscale + kb * 4, sx)
                 else:
-                    if kb < nk1:
+                    if kb < blocks1:
                         ptx.st_shared_f32(xscale + kb * 4, sx)
         # K blocks 0..7 into B tiles 0..7.
         if tid < 8 * mp.B1_ROTATING:
@@ -296,15 +316,18 @@ class MegaMoeSm90(mgc.MegaEntries):
 
         # Epilogue inputs, loaded while the first stages stream in. Column c of
         # accumulator set s is K block 8 s + c; this thread holds c = 2q, 2q+1.
-        s13 = w13_scale + (Int64(expert) * self.cluster + rank) * nk1 * 4
+        if cutlass.const_expr(plan.split == 1):
+            s13 = w13_scale + (Int64(expert) * self.cluster + rank) * nk1 * 4
+        else:
+            s13 = w13_scale + ((Int64(expert) * plan.tiles1 + tile) * nk1 + first) * 4
         w1s = cute.make_rmem_tensor(cute.make_layout((2 * sets,)), Float32)
         for j in cutlass.range_constexpr(2 * sets):
-            col = (j // 2) * 8 + 2 * quad + j % 2  # K block of this column
-            if cutlass.const_expr(nk1 % 8 == 0):
+            col = (j // 2) * 8 + 2 * quad + j % 2  # the part's K block of this column
+            if cutlass.const_expr(blocks1 % 8 == 0):
                 w1s[j] = ptx.ld_global_nc_f32(s13 + col * 4)
             else:
-                w1s[j] = ptx.ld_global_nc_f32(s13 + cutlass.min(col, nk1 - 1) * 4)
-        local = logical_row(rows1, rank * TILE + row) - rank * TILE
+                w1s[j] = ptx.ld_global_nc_f32(s13 + cutlass.min(col, blocks1 - 1) * 4)
+        local = logical_row(rows1, tile * TILE + row) - tile * TILE
         groups = plan.gemm2_groups
         # One group: its GEMM2 inputs load while the first stages stream in.
         if cutlass.const_expr(len(groups) == 1):
@@ -317,7 +340,7 @@ class MegaMoeSm90(mgc.MegaEntries):
         # GEMM1: K blocks back to back; set kb // 8, column kb % 8.
         zero = Float32(0.0)
         acc1 = [[[zero] * 4 for _ in range(2)] for _ in range(sets)]  # [set][row half]
-        for n in cutlass.range_constexpr(nk1):
+        for n in cutlass.range_constexpr(blocks1):
             slot = n % stages
             ptx.mbarrier_wait(full + 8 * slot, (n // stages) % 2)
             adesc = wgmma.smem_desc_sw128(base + slot * STAGE_BYTES)
@@ -334,16 +357,18 @@ class MegaMoeSm90(mgc.MegaEntries):
             wgmma.wgmma_commit()
             if cutlass.const_expr(n > 0):
                 self.release(empty, (n - 1) % stages, lane, 1)
-            if cutlass.const_expr(n % REFILL == 0 and n > 0 and n - REFILL + mp.B1_ROTATING < nk1):
+            if cutlass.const_expr(n % REFILL == 0 and n > 0
+                                  and n - REFILL + mp.B1_ROTATING < blocks1):  # fmt: skip
                 # MMAs up to n - 1 have retired: their B tiles take K blocks
                 # n + 4 .. n + 7 (needed from iteration n + 4 on).
-                first = n - REFILL + mp.B1_ROTATING
-                if tid // 8 >= first % 16:
-                    if tid // 8 < first % 16 + min(REFILL, nk1 - first):
-                        self.fill_b1(b1, first + (tid // 8 - first % 16), chunk, codes, first // 16)
+                refill = n - REFILL + mp.B1_ROTATING
+                if tid // 8 >= refill % 16:
+                    if tid // 8 < refill % 16 + min(REFILL, blocks1 - refill):
+                        self.fill_b1(b1, refill + (tid // 8 - refill % 16), chunk, codes,
+                                     refill // 16)  # fmt: skip
                 ptx.fence_proxy_async_shared()
                 ptx.bar_sync(WG_BARRIER, MMA_THREADS)
-        self.release(empty, (nk1 - 1) % stages, lane, 0)
+        self.release(empty, (blocks1 - 1) % stages, lane, 0)
         for s in cutlass.range_constexpr(sets):
             for h in cutlass.range_constexpr(2):
                 acc1[s][h] = wgmma.fence_operands(acc1[s][h])
@@ -351,13 +376,13 @@ class MegaMoeSm90(mgc.MegaEntries):
         # Scale and sum the columns of each row; quad lanes share a row.
         for j in cutlass.range_constexpr(2 * sets):
             col = (j // 2) * 8 + 2 * quad + j % 2
-            if cutlass.const_expr(nk1 % 8 == 0):
+            if cutlass.const_expr(blocks1 % 8 == 0):
                 w1s[j] = w1s[j] * ptx.ld_shared_f32(xscale + col * 4)
             else:
-                # A column past the last K block holds zeros: weight it 0 (its
-                # scale slot is never written).
-                w1s[j] = w1s[j] * ptx.ld_shared_f32(xscale + cutlass.min(col, nk1 - 1) * 4)
-                if col >= nk1:
+                # A column past the part's last K block holds zeros: weight it
+                # 0 (its scale slot is never written).
+                w1s[j] = w1s[j] * ptx.ld_shared_f32(xscale + cutlass.min(col, blocks1 - 1) * 4)
+                if col >= blocks1:
                     w1s[j] = Float32(0.0)
         sums = cute.make_rmem_tensor(cute.make_layout((4,)), Float32)
         for h in cutlass.range_constexpr(2):
@@ -369,17 +394,20 @@ class MegaMoeSm90(mgc.MegaEntries):
                 sums[2 * h + r] = v
         acc = _quad_pick(sums, quad)
 
-        if rank >= nk2:
-            # Gate tile: hand the gate values to the matching up tile.
-            peer = rank - nk2
-            ptx.st_async_b32(
-                ptx.mapa(base + plan.offset("gate") + local * 4, peer), ptx.float_bits(acc),
-                ptx.mapa(gate_in, peer),
-            )  # fmt: skip
+        if cutlass.const_expr(plan.split == 1):
+            self.gate_or_up(base, acc, local, tid, lane, tile, gate_in, hrecv)
         else:
-            ptx.mbarrier_wait_cluster(gate_in, 0)
-            mgc.hidden_block(plan, base, acc, local, tid, lane, rank, hrecv, WG_BARRIER,
-                             self.limit)  # fmt: skip
+            part = rank % plan.split
+            if part > 0:
+                # K part ``part`` hands its row sums to part 0 of its row tile.
+                mgc.send_word(base + plan.offset("partial") + ((part - 1) * TILE + row) * 4,
+                              ptx.float_bits(acc), pair, rank - part)  # fmt: skip
+            else:
+                ptx.mbarrier_wait_cluster(pair, 0)
+                for q in cutlass.range_constexpr(plan.split - 1):
+                    acc = acc + ptx.ld_shared_f32(base + plan.offset("partial")
+                                                  + (q * TILE + row) * 4)  # fmt: skip
+                self.gate_or_up(base, acc, local, tid, lane, tile, gate_in, hrecv)
 
         # GEMM2: this CTA's rows; hidden block kb is B column kb.
         ptx.mbarrier_wait_cluster(hrecv, 0)
@@ -397,6 +425,28 @@ class MegaMoeSm90(mgc.MegaEntries):
                                                   gn)  # fmt: skip
             self.gemm2_group(base, full, empty, lane, quad, rank, hs, w2s, out_rows, out_row,
                              g0, gn)  # fmt: skip
+
+    @cute.jit
+    def gate_or_up(self, base, acc, local, tid, lane, tile, gate_in, hrecv):
+        """K part 0 of GEMM1 row tile ``tile`` with the tile's whole row sums
+        ``acc`` (logical row ``local``): a gate tile hands them to part 0 of
+        its up tile; an up tile waits for the gate values and builds hidden
+        block ``tile`` (``mega_common.hidden_block``)."""
+        plan, nk2 = self.plan, self.nk2
+        if tile >= nk2:
+            # Gate tile: hand the gate values to the matching up tile.
+            if cutlass.const_expr(plan.split == 1):
+                peer = tile - nk2
+            else:
+                peer = (tile - nk2) * plan.split
+            ptx.st_async_b32(
+                ptx.mapa(base + plan.offset("gate") + local * 4, peer), ptx.float_bits(acc),
+                ptx.mapa(gate_in, peer),
+            )  # fmt: skip
+        else:
+            ptx.mbarrier_wait_cluster(gate_in, 0)
+            mgc.hidden_block(plan, base, acc, local, tid, lane, tile, hrecv, WG_BARRIER,
+                             self.limit)  # fmt: skip
 
     @cute.jit
     def gemm2_inputs(self, w2_scale, rows2, expert, rank, quad, row,
@@ -433,12 +483,12 @@ class MegaMoeSm90(mgc.MegaEntries):
         (hidden block kb is B column kb), then, all retired, their rows
         scaled, quad-reduced and stored (a tile past the output's end, of an
         uneven split, is not stored)."""
-        plan, stages, nk1, nk2 = self.plan, self.stages, self.nk1, self.nk2
+        plan, stages, nk2 = self.plan, self.stages, self.nk2
         zero = Float32(0.0)
         acc2 = [[[zero] * 4 for _ in range(2)] for _ in range(gn)]  # [tile][half]
         for mm in cutlass.range_constexpr(gn * nk2):
             m = g0 * nk2 + mm
-            n = nk1 + m
+            n = plan.blocks1 + m  # this CTA's stage index
             slot = n % stages
             t, kb2 = mm // nk2, mm % nk2
             ptx.mbarrier_wait(full + 8 * slot, (n // stages) % 2)

@@ -23,12 +23,14 @@ A CTA streams ``loads`` = blocks1 + tiles2 * I/128 weight stages (one 128 x
 128 FP8 box each, ``gemm1_box`` then ``gemm2_box``) through a ring of
 ``stages``. The clusters of one launch are ordered by ``cluster_role``.
 
-Per architecture (``ARCH``): sm_90a runs 2I/128 CTAs a cluster, each over
-the whole K (warpgroup MMA, B tiles of 8 token rows: ``wgmma m64n8k32``);
-sm_100a splits each row tile's K into ``split`` parts (``mega_split``: the
-most, up to 8, that keep the cluster within 16 CTAs and divide H/128), each
-part's K blocks the columns of UMMA N = 16 accumulators in TMEM (GLM-5: 8
-row tiles x 2 K parts of 16 K blocks).
+Per architecture (``ARCH``), each row tile's K runs in ``split`` parts
+(``mega_split``). sm_90a (warpgroup MMA, B tiles of 8 token rows: ``wgmma
+m64n8k32``) runs 2I/128 CTAs a cluster over the whole K, and splits K in two
+only where a call's grid would leave more than half the SMs idle (the TP8
+shards' 4-CTA clusters at M = 1); sm_100a splits into the most parts, up to
+8, that keep the cluster within 16 CTAs and divide H/128, each part's K
+blocks the columns of UMMA N = 16 accumulators in TMEM (GLM-5: 8 row tiles x
+2 K parts of 16 K blocks).
 The CTAs per SM and the ring depth follow from the call's grid (sm_90a,
 ``occupancy``): the fewest CTAs per SM at which every cluster of a call is
 resident at once (one wave), and the deepest ring that occupancy leaves the
@@ -88,12 +90,20 @@ class MegaArch:
     uneven_gemm2: bool = False
     #: Most CTAs of a cluster (one per GEMM1 row tile and K part).
     max_cluster: int = 16
+    #: Most CTAs of a cluster that splits K (``mega_split``); 0: ``max_cluster``.
+    split_cluster: int = 0
+    #: K splits only while a call's CTAs would fill less than this fraction
+    #: of the target's SMs (``mega_split``); 0: always the most parts.
+    split_fill: float = 0.0
+    #: Fewest GEMM1 K blocks of a K part (sm_90a: the rotating B tiles).
+    min_blocks: int = 1
 
 
 ARCH = {
     "sm_90a": MegaArch(
-        arch="sm_90a", max_split=1, b_rows=8,
+        arch="sm_90a", max_split=8, b_rows=8,
         ring={1: 10, 2: 6, 3: 3},
+        split_cluster=8, split_fill=0.5, min_blocks=8,
         order={1: "shared_last_reversed", 2: "shared_first", 3: "shared_first",
                4: "shared_last_reversed"},
         k_blocks=(8, 64), uneven_gemm2=True,
@@ -133,16 +143,30 @@ def occupancy(arch: str, clusters: int, cluster: int, sms: int) -> int:
     return levels[-1]
 
 
-def mega_split(arch: str, hidden: int, inter: int) -> int:
-    """K parts of a GEMM1 row tile: the most (a power of two up to the
-    arch's ``max_split``) that keep the cluster (row tiles x parts) within
-    ``max_cluster`` CTAs and divide the K blocks; more CTAs a route stream
-    its weights in parallel."""
+def mega_split(arch: str, hidden: int, inter: int, groups: int = 0, sms: int = 0) -> int:
+    """K parts of a GEMM1 row tile of a variant of ``groups`` clusters for a
+    target of ``sms`` SMs: doubled (a power of two up to the arch's
+    ``max_split``) while the cluster (row tiles x parts) stays within
+    ``split_cluster`` CTAs, the parts divide the K blocks and keep at least
+    ``min_blocks`` each, and, where the arch sets ``split_fill``, the call's
+    CTAs (``groups`` x cluster) fill less than that fraction of the SMs (more
+    CTAs a route stream its weights in parallel; a small grid leaves SMs
+    idle, a split costs a DSMEM reduction). With ``sms`` 0 (a shape check)
+    such an arch does not split.
+
+    sm_90a: a TP8 shard (inter 256: 4-CTA clusters) runs 9 clusters at M = 1,
+    36 CTAs, 43% of the copy bandwidth on the H200; 2 parts make 72 CTAs, as
+    GLM-5's M = 1 runs unsplit (``docs/notes/mega-sm90.md``). Split clusters
+    stay within 8 CTAs there: the H200 holds fewer 12- and 16-CTA clusters
+    at once than its SM count allows (7 of each at one CTA per SM)."""
     cfg = ARCH[arch]
     tiles1, nk1 = 2 * inter // TILE, hidden // TILE
+    most = cfg.split_cluster or cfg.max_cluster
     split = 1
-    while (split * 2 <= cfg.max_split and tiles1 * split * 2 <= cfg.max_cluster
-           and nk1 % (split * 2) == 0):  # fmt: skip
+    while (split * 2 <= cfg.max_split and tiles1 * split * 2 <= most
+           and nk1 % (split * 2) == 0 and nk1 // (split * 2) >= cfg.min_blocks):  # fmt: skip
+        if cfg.split_fill and groups * tiles1 * split >= cfg.split_fill * sms:
+            break
         split *= 2
     return split
 
@@ -193,7 +217,7 @@ class MegaPlan:
 
     @property
     def split(self) -> int:  # K parts of a GEMM1 row tile (CTAs per row tile)
-        return mega_split(self.arch, self.hidden, self.inter)
+        return mega_split(self.arch, self.hidden, self.inter, self.groups, self.sms)
 
     @property
     def cluster(self) -> int:
@@ -308,8 +332,12 @@ class MegaPlan:
 
     def _bars(self, stages: int) -> int:
         """mbarriers: full[stages], empty[stages], gate_in, hrecv; sm_100a
-        also acc1, b_ready, acc2[tiles2], pair and one spare."""
-        extra = 2 + self.tiles2 + 2 if self.arch == "sm_100a" else 0
+        also acc1, b_ready, acc2[tiles2], pair and one spare; sm_90a pair
+        where K splits."""
+        if self.arch == "sm_100a":
+            extra = 2 + self.tiles2 + 2
+        else:
+            extra = 1 if self.split > 1 else 0
         return 2 * stages + 2 + extra
 
     @property

@@ -80,12 +80,14 @@ def test_orders_place_the_shared_clusters(order, monkeypatch):
     assert [t for _, t, s in roles if s] == [0, 1]
 
 
+@pytest.mark.parametrize("sms", (0, 132))
 @pytest.mark.parametrize("arch,shape", [(a, s) for a in ARCHS for s in SHAPES[a]])
-def test_a_cluster_streams_each_weight_box_of_its_expert_once(arch, shape):
+def test_a_cluster_streams_each_weight_box_of_its_expert_once(arch, shape, sms):
     """Every weight box of the expert is streamed by exactly one CTA that
     stores its result; an uneven GEMM2 split adds only repeats of the last
-    tile (never stored)."""
-    p = mp.plan_for(arch, **shape, tokens=1, shared_experts=1)
+    tile (never stored). With the SM count of an H200 the sm_90a kernel
+    splits the K of small grids (``mega_split``)."""
+    p = mp.plan_for(arch, **shape, tokens=1, shared_experts=1, sms=sms)
     h, i, expert = shape["hidden"], shape["inter"], 5
     w13, w2 = [], []
     for rank in range(p.cluster):
@@ -160,6 +162,29 @@ def test_glm5_closed_forms():
     # M = 1: 8 routes and the shared expert.
     assert p90.groups == p100.groups == 9 and p90.grid == 72 and p100.grid == 144
     assert plan("sm_90a", tokens=4, shared=0).groups == 32
+
+
+def test_sm90_splits_k_only_where_the_grid_leaves_most_sms_idle():
+    """sm_90a: 2 K parts where one CTA per row tile would run fewer CTAs than
+    half the target's SMs and the split cluster stays within 8 CTAs; never
+    without an SM count (a shape check) and never for GLM-5."""
+    tp8 = {"hidden": 7168, "inter": 256, "experts": 256}
+    one = plan(tokens=1, sms=132, **tp8)
+    # 9 clusters (8 routes + the shared expert) of 4 CTAs: 36 < 66.
+    assert (one.split, one.cluster, one.grid, one.blocks1) == (2, 8, 72, 28)
+    assert one.regions.sizes["partial"] == TILE * 4 and one.bars == 2 * one.stages + 3
+    assert plan(tokens=1, sms=0, **tp8).split == 1
+    assert plan(tokens=2, sms=132, **tp8).split == 1  # 72 CTAs already
+    assert plan(tokens=1, sms=300, **tp8).split == 2  # 72 < 150; 16 CTAs a cluster is too many
+    for tokens in range(1, mp.MEGA_TOKENS + 1):
+        for shared in (0, 1):
+            assert plan(tokens=tokens, shared=shared, sms=132).split == 1  # GLM-5: 64+ CTAs
+    # 6-CTA clusters do not split (12 CTAs: more than 8), 12-CTA ones neither.
+    assert plan(tokens=1, sms=132, hidden=5120, inter=384, experts=160).split == 1
+    # Each part keeps at least the 8 rotating B tiles' K blocks.
+    assert plan(tokens=1, sms=132, hidden=1920, inter=256).split == 1  # 15 K blocks: odd
+    assert plan(tokens=1, sms=132, hidden=2048, inter=256).split == 2  # 16 -> 2 x 8
+    assert plan(tokens=1, sms=132, hidden=1024, inter=128).split == 1  # 8: 2 x 4 too few
 
 
 def test_dsmem_bytes_match_the_expected_transactions():

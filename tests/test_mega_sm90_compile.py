@@ -117,7 +117,8 @@ def test_launch_records_match_the_mega_abi(built):
 #: Other models' shards (docs/models.md): an uneven GEMM2 split over a
 #: 6-CTA cluster (GLM-4.5), a 12-CTA cluster without a shared expert and
 #: softmax routing (Qwen3-30B), DeepSeek-V3's group-limited routing over 56 K
-#: blocks, and an odd K block count.
+#: blocks, an odd K block count, and a TP8 shard's M = 1 on the H200's 132 SMs,
+#: whose GEMM1 K runs in 2 parts (``mega_plan.mega_split``).
 OTHER_SHAPES = [
     dict(hidden=5120, inter=384, experts=160, tokens=1, shared_experts=1),
     dict(
@@ -127,13 +128,14 @@ OTHER_SHAPES = [
         hidden=7168, inter=256, experts=256, tokens=2, shared_experts=1, groups=8, groups_kept=4
     ),  # fmt: skip
     dict(hidden=1152, inter=384, experts=64, tokens=3, shared_experts=1),
+    dict(hidden=7168, inter=256, experts=256, tokens=1, shared_experts=1),
 ]
 
 
 @pytest.mark.compile
 def test_other_model_shapes_build(tmp_path):
     """Each shape compiles into the mega ABI with its own cluster (one CTA per
-    GEMM1 row tile), streams ``mega_plan.MegaPlan.loads`` TMA stages a CTA
+    GEMM1 row tile and K part), streams ``mega_plan.MegaPlan.loads`` TMA stages a CTA
     (an uneven split's CTAs all stream as many), eight m64n8k32 wgmma a
     stage, and declares no local-memory arrays. Register spills (STACK) are
     printed, not refused: hidden 6144 and 7168 spill a few words
@@ -152,10 +154,11 @@ def test_other_model_shapes_build(tmp_path):
         ops, res = sass_counts(tool, cubin), resources(tool, cubin)
         print(f"{s.hidden}x{s.inter} m{s.tokens}: REG {res['REG']}, STACK {res['STACK']}, "
               f"cluster {p.cluster}, tiles2 {p.tiles2} (even {p.even2}), loads {p.loads}")  # fmt: skip
-        assert p.cluster == 2 * s.inter // 128 and r["cluster"] == [p.cluster, 1, 1]
+        assert p.cluster == 2 * s.inter // 128 * p.split and r["cluster"] == [p.cluster, 1, 1]
+        assert p.split == (2 if (s.inter, s.tokens) == (256, 1) else 1)  # 36 CTAs < 132 / 2
         assert r["grid"] == [p.cluster * s.tokens * (s.top_k + s.shared_experts), 1, 1]
         names = MEGA_PARAMS if s.shared_experts else ROUTED_PARAMS
         assert [n for n, _ in r["params"]] == list(names)
-        assert ops.get("UTMALDG.3D", 0) == p.loads == p.nk1 + p.tiles2 * p.nk2, ops
+        assert ops.get("UTMALDG.3D", 0) == p.loads == p.nk1 // p.split + p.tiles2 * p.nk2, ops
         assert count(ops, "QGMMA") == p.loads * 2 * 4, ops
         assert res["LOCAL"] == 0, res
