@@ -364,9 +364,15 @@ MUTATIONS = (
     ),
     Mutation(
         "mega-split-ignores-k-blocks", "kernels/mega_plan.py",
-        "           and nk1 % (split * 2) == 0):",
-        "           and nk1 >= 0):",
+        "and nk1 % (split * 2) == 0 and nk1 // (split * 2) >= cfg.min_blocks):",
+        "and nk1 >= 0 and nk1 // (split * 2) >= cfg.min_blocks):",
         ("tests/test_mega_plan.py::test_a_cluster_streams_each_weight_box_of_its_expert_once",),
+    ),
+    Mutation(
+        "mega-split-ignores-the-grid", "kernels/mega_plan.py",
+        "        if cfg.split_fill and groups * tiles1 * split >= cfg.split_fill * sms:\n",
+        "        if cfg.split_fill and sms <= 0:\n",
+        ("tests/test_mega_plan.py::test_sm90_splits_k_only_where_the_grid_leaves_most_sms_idle",),
     ),
     Mutation(
         "mega-tmem-accumulators-round-down", "kernels/mega_plan.py",
