@@ -35,9 +35,10 @@ The CTAs per SM and the ring depth follow from the call's grid (sm_90a,
 ``occupancy``): the fewest CTAs per SM at which every cluster of a call is
 resident at once (one wave), and the deepest ring that occupancy leaves the
 shared memory for, since with fewer CTAs per SM each needs more bytes in
-flight (``resident_clusters``: the target's SM count over the cluster size;
-measured on the H200 with the cluster occupancy the driver reports: 15
-8-CTA clusters resident at 1 CTA per SM, 30 at 2, 45 at 3);
+flight (``resident_clusters``: the count recorded for the target, as the
+driver's cluster occupancy reported it on the H200 — 15 8-CTA clusters
+resident at 1 CTA per SM, 30 at 2, 45 at 3; 17 6-CTA and 7 12-CTA at 1 —
+else the SM count over the cluster size);
 GLM-5's M * (top_k + 1) clusters then take 1, 2, 2 and 3 CTAs per SM at
 M = 1..4. ``docs/notes/mega-sm90.md`` has the measurements behind each
 choice.
@@ -54,7 +55,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kernels.smem import Regions
-from runtime.constants import SMEM_LIMIT, SMEM_PER_SM, SMEM_RESERVED, TILE
+from runtime.constants import RESIDENT_CLUSTERS, SMEM_LIMIT, SMEM_PER_SM, SMEM_RESERVED, TILE
 
 STAGE_BYTES = TILE * TILE  # one 128 x 128 FP8 weight box
 #: Cluster orders: which clusters of the grid run the shared experts. The
@@ -117,14 +118,18 @@ ARCH = {
 }  # fmt: skip
 
 
-def resident_clusters(sms: int, cluster: int, ctas_per_sm: int) -> int:
+def resident_clusters(arch: str, sms: int, cluster: int, ctas_per_sm: int) -> int:
     """Clusters of ``cluster`` CTAs resident at once at ``ctas_per_sm`` on a
-    target of ``sms`` SMs (the config's ``targets[].sms``): ``sms // cluster``
-    per CTA per SM, an upper bound. GPC boundaries leave some SMs unfilled:
-    the H200 (132 SMs) holds 15 eight-CTA clusters per CTA per SM, not 16,
-    and 7 of 16 CTAs, not 8 (cuOccupancyMaxActiveClusters,
-    docs/notes/mega-sm90.md); ``moe-build bench`` records each variant's
-    residency on the device it runs on."""
+    target of ``arch`` with ``sms`` SMs (the config's ``targets[].sms``):
+    the count recorded for that target (``RESIDENT_CLUSTERS``, measured with
+    the driver's cluster occupancy), else ``sms // cluster`` per CTA per SM,
+    an upper bound: GPC boundaries leave some SMs unfilled (the H200 holds
+    15 eight-CTA clusters per CTA per SM, not 16, and 17 six-CTA ones, not
+    22). ``moe-build bench`` records each variant's residency on the device
+    it runs on."""
+    counts = RESIDENT_CLUSTERS.get((arch, sms), {}).get(cluster, ())
+    if ctas_per_sm <= len(counts):
+        return counts[ctas_per_sm - 1]
     return ctas_per_sm * (sms // cluster)
 
 
@@ -138,7 +143,7 @@ def occupancy(arch: str, clusters: int, cluster: int, sms: int) -> int:
     if sms <= 0:
         return levels[0]
     for c in levels:
-        if clusters <= resident_clusters(sms, cluster, c):
+        if clusters <= resident_clusters(arch, sms, cluster, c):
             return c
     return levels[-1]
 

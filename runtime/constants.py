@@ -35,3 +35,24 @@ SMEM_LIMIT = {arch: optin - SMEM_RESERVED for arch, optin in SMEM_OPTIN.items()}
 #: 233472 B = 228 KiB on H100/H200 and B200), which the CTAs resident on it
 #: share, each with SMEM_RESERVED more.
 SMEM_PER_SM = {"sm_90a": 233472, "sm_100a": 233472}
+#: Clusters a target holds at once, recorded per (arch, SM count): cluster
+#: size -> resident clusters at 1, 2, 3 CTAs per SM (a shorter list: not
+#: measured past its end). Clusters live inside one GPC, so a target holds
+#: fewer than its SM count over the cluster size; how many is the
+#: device's, read with cuOccupancyMaxActiveClusters (the runtime's
+#: ``Launcher.residency``; ``moe-build bench`` records it per variant).
+#: Measured on an H200 (132 SMs, driver 580.159.04) for CTAs of 160 (the
+#: mega kernel's) and 192 threads at the shared memory of each CTAs-per-SM level
+#: (docs/notes/h200-measurements.md, docs/notes/models-h200.md). A target or
+#: entry not recorded here is planned with the bound (``kernels/mega_plan.py``
+#: ``resident_clusters``).
+RESIDENT_CLUSTERS = {
+    ("sm_90a", 132): {
+        2: (66, 132),
+        4: (30, 62),
+        6: (17, 39),
+        8: (15, 30, 45),
+        12: (7, 16, 28),
+        16: (7, 14),
+    },
+}

@@ -230,26 +230,38 @@ def test_glm5_is_served_on_both_archs_and_other_inputs_are_refused():
 
 
 def test_ring_depth_holds_every_cluster_at_its_ctas_per_sm():
-    """sm_90a: with c CTAs per SM a target holds at most c * (sms //
-    cluster) clusters (``resident_clusters``; an H200 holds 15 c eight-CTA
-    ones); a variant takes the fewest CTAs per SM at which its call's clusters are all
-    resident (else the most), and the ring is as deep as the shared memory
-    at that occupancy allows. GLM-5 at M = 1..4: 1, 2, 2, 3 CTAs per SM with
-    10, 6, 6, 3 stages (what was measured best, docs/notes/mega-sm90.md)."""
+    """sm_90a: with c CTAs per SM a target holds the clusters recorded for it
+    (``RESIDENT_CLUSTERS``: what the H200's driver reported), else at most c
+    * (sms // cluster) (``resident_clusters``); a variant takes the fewest
+    CTAs per SM at which its call's clusters are all resident (else the
+    most), and the ring is as deep as the shared memory at that occupancy
+    allows. GLM-5 at M = 1..4: 1, 2, 2, 3 CTAs per SM with 10, 6, 6, 3 stages
+    (what was measured best, docs/notes/mega-sm90.md)."""
     glm5 = [plan("sm_90a", tokens=m, sms=132) for m in range(1, mp.MEGA_TOKENS + 1)]
     assert [(p.ctas_per_sm, p.stages) for p in glm5] == [(1, 10), (2, 6), (2, 6), (3, 3)]
-    # At most sms // cluster clusters a CTA per SM (the H200 holds 15 and 7
-    # of 8 and 16 CTAs: GPC boundaries), whatever the target's SM count.
-    assert [mp.resident_clusters(132, 8, c) for c in (1, 2, 3)] == [16, 32, 48]
-    assert mp.resident_clusters(132, 16, 1) == 8 and mp.resident_clusters(148, 16, 2) == 18
+    # The H200's recorded counts (GPC boundaries: fewer than 132 // cluster)...
+    assert [mp.resident_clusters("sm_90a", 132, 8, c) for c in (1, 2, 3)] == [15, 30, 45]
+    assert [mp.resident_clusters("sm_90a", 132, 6, c) for c in (1, 2)] == [17, 39]
+    assert mp.resident_clusters("sm_90a", 132, 12, 1) == 7
+    # ... and the bound where nothing is recorded: another SM count, another
+    # arch, or past a recorded list's end.
+    assert mp.resident_clusters("sm_90a", 114, 8, 2) == 2 * (114 // 8)
+    assert mp.resident_clusters("sm_100a", 148, 16, 2) == 18
+    assert mp.resident_clusters("sm_90a", 132, 6, 3) == 3 * 22
+    # Two waves avoided: GLM-4.5's M = 2 (18 six-CTA clusters, 17 held at 1
+    # CTA per SM) and Qwen3-30B's M = 1 (8 twelve-CTA clusters, 7 held) take 2.
+    assert plan(tokens=2, sms=132, hidden=5120, inter=384, experts=160).ctas_per_sm == 2
+    assert plan(tokens=1, shared=0, sms=132, hidden=2048, inter=768,
+                experts=128).ctas_per_sm == 2  # fmt: skip
     for shape in SHAPES["sm_90a"]:
         for tokens in range(1, mp.MEGA_TOKENS + 1):
             p = plan("sm_90a", tokens=tokens, sms=132, **shape)
             levels = sorted(p.config.ring)
             c = p.ctas_per_sm
-            held = mp.resident_clusters(132, p.cluster, c)
+            held = mp.resident_clusters("sm_90a", 132, p.cluster, c)
             assert p.groups <= held or c == levels[-1]
-            assert c == levels[0] or p.groups > mp.resident_clusters(132, p.cluster, c - 1)
+            assert c == levels[0] or p.groups > mp.resident_clusters("sm_90a", 132, p.cluster,
+                                                                     c - 1)  # fmt: skip
             assert p.ctas_per_sm * (p.smem + 1024) <= 228 * 1024
             # Fewer CTAs per SM, a deeper ring: the level's, or as deep as fits.
             assert mp.MIN_STAGES <= p.stages <= p.config.ring[c] <= p.config.ring[levels[0]]
