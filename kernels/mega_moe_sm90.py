@@ -1,8 +1,11 @@
 """The mega kernel on Hopper (sm_90a): warpgroup MMA into registers.
 
 Every (token, expert) route of M tokens (M = 1..4), and each token's shared
-expert, runs as one cluster of C = 2I/128 CTAs in one launch
-(``kernels/mega_plan.py``: work split, ring depth, cluster order, shared
+expert, runs as one cluster of C = 2I/128 x ``split`` CTAs in one launch:
+CTA ``rank`` owns GEMM1 row tile ``rank // split`` over K part ``rank %
+split`` (``mega_plan.mega_split``: 1, or more where the call's grid would
+leave more than half the SMs idle, 2 for the TP8 shards at M = 1;
+``kernels/mega_plan.py``: work split, ring depth, cluster order, shared
 memory; ``kernels/mega_common.py``: routing, quantization, the hidden block).
 A cluster writes one unweighted BF16 row (``out[token * top_k + k]`` or
 ``shared_out[token]``); rank 0 of a route's cluster writes ``ids`` and
@@ -14,9 +17,11 @@ expert the kernel has the routed-only ABI.
 
 Warp roles (160 threads):
   * warps 0-3, the MMA warpgroup: route the token (every warp, no exchange),
-    quantize it into the GEMM1 B tiles, issue GEMM1 and GEMM2 (``wgmma
-    m64n8k32``, FP8, FP32 accumulators in registers), scale and reduce the
-    accumulators, run the DSMEM exchange and store the output row;
+    quantize the CTA's K part of it (``blocks1`` K blocks) into the GEMM1 B
+    tiles, issue GEMM1 and GEMM2 (``wgmma m64n8k32``, FP8, FP32
+    accumulators in registers), scale and reduce the accumulators, run the
+    DSMEM exchange (K parts' row sums to part 0, gate values to the up
+    tile, the hidden broadcast) and store the output row;
   * warp 4, the producer: lane 0 streams the CTA's weight stages with TMA
     (``mega_plan.gemm1_box``, then ``gemm2_box``), the other lanes only wait
     on the cluster barrier. A shared cluster's producer starts before
@@ -27,10 +32,13 @@ Rings and barriers (arrive counts):
   * ``full[s]``: 1 (the producer's expect_tx) + the TMA bytes of one box;
   * ``empty[s]``: 4, one per MMA warp, after the ``wgmma.wait_group`` that
     retires the MMA reading stage s (one group later than its issue);
-  * ``gate_in`` (up CTAs): 1 + 512 bytes, the gate CTA's 128 values
-    (``st.async``);
+  * ``gate_in`` (K part 0 of each up tile): 1 + 512 bytes, the 128 values
+    of part 0 of the matching gate tile (``st.async``);
+  * ``pair`` (K part 0 of each row tile, only where split > 1): 1 + (split
+    - 1) * 512 bytes, each other part's 128 row sums (``st.async`` into
+    ``partial``);
   * ``hrecv``: 1 + nk2 * (128 + 4) bytes, every up tile's FP8 hidden block
-    and its scale;
+    and its scale (sent by part 0 of each up tile);
   * the cluster barrier: arrived (relaxed) by every thread after barrier
     init and B-tile zeroing; waited by the MMA warps before GEMM1 and by the
     producer lane before its first wait on a free stage, so every wait on a
@@ -44,12 +52,14 @@ Rings and barriers (arrive counts):
 GEMM1 (the "column trick"): block scales are not powers of two, so K block
 kb's token block is B column kb % 8 of an N = 8 tile (the other columns
 zero): each K block's unscaled partial lands in its own accumulator column
-(sets of 8 columns), the MMAs of all K blocks run back to back, and the
-epilogue scales and sums the columns once. The B operand is 8 rotating
+(sets of 8 columns), the MMAs of the CTA's K blocks run back to back, and
+the epilogue scales and sums the columns once. The B operand is 8 rotating
 1 KB tiles: tile b only holds a token block in row b, refilled 4 K blocks at
-a time once the MMA that read it has retired. Gate CTA r >= C/2 hands its
-128 gate values to up CTA r - C/2; the up CTA builds the hidden block and
-broadcasts it: two DSMEM hops. GEMM2: hidden block kb is B column kb.
+a time once the MMA that read it has retired. With split > 1, parts 1.. of a
+row tile first send their row sums to part 0. Part 0 of gate tile t >= I/128
+(rank t * split) hands its 128 gate values to part 0 of up tile t - I/128,
+which builds the hidden block and broadcasts it to all C CTAs: two DSMEM
+hops, three with a K split. GEMM2: hidden block kb is B column kb.
 
 Measurements (per bucket timings, the cluster-order and ring-depth A/B
 runs, what compute-sanitizer's racecheck needed, accuracy on the H200):
@@ -148,7 +158,7 @@ class MegaMoeSm90(mgc.MegaEntries):
         empty = full + 8 * self.stages
         gate_in = full + 16 * self.stages
         hrecv = gate_in + 8
-        pair = hrecv + 8  # the other K parts' row sums arrived (part 0; split > 1)
+        pair = hrecv + 8  # the other K parts' row sums arrived (part 0; only used where split > 1)
 
         if tid == 0:
             self.init_barriers(full, empty, gate_in, hrecv, pair, rank)
@@ -237,8 +247,8 @@ class MegaMoeSm90(mgc.MegaEntries):
 
     @cute.jit
     def produce(self, base, full, empty, map1, map2, expert, rank):
-        """TMA producer (one lane): the CTA's GEMM1 stages (its row tile, K
-        blocks in order), then its GEMM2 stages (row tile t, K block kb)."""
+        """TMA producer (one lane): the CTA's GEMM1 stages (its row tile, its K
+        part's blocks in order), then its GEMM2 stages (row tile t, K block kb)."""
         plan, stages = self.plan, self.stages
         policy = ptx.create_policy_evict_first()
         for n in cutlass.range_constexpr(plan.loads):
