@@ -188,15 +188,28 @@ def test_sm90_splits_k_only_where_the_grid_leaves_most_sms_idle():
 
 
 def test_dsmem_bytes_match_the_expected_transactions():
-    """What ``hrecv`` and ``gate_in`` expect equals what the senders send:
-    every up tile sends each CTA 8 chunks of 16 bytes (its FP8 hidden block)
-    and one 4-byte scale; a gate tile sends its up tile 128 FP32 values."""
-    for arch in ARCHS:
-        p = plan(arch)
+    """What ``hrecv``, ``gate_in`` and ``pair`` expect equals what the senders
+    send: every up tile sends each CTA 8 chunks of 16 bytes (its FP8 hidden
+    block) and one 4-byte scale; a gate tile sends its up tile 128 FP32
+    values; with a K split, each part past 0 sends part 0 its 128 row sums."""
+    tp8 = {"hidden": 7168, "inter": 256, "experts": 256}
+    plans = [plan(arch) for arch in ARCHS] + [plan("sm_90a", sms=132, **tp8)]  # K split
+    assert [p.split for p in plans] == [1, 2, 2]
+    for p in plans:
         assert 8 * p.cluster <= 128  # the group of 128 threads covers every (peer, chunk)
         ups = [r // p.split for r in range(p.cluster) if r % p.split == 0 and r // p.split < p.nk2]
         assert ups == list(range(p.nk2))
         assert p.nk2 * (8 * 16 + 4) == p.nk2 * (TILE + 4)
+        # Each row tile's parts are ranks tile * split + 0..split-1; part 0
+        # receives 128 words from each other part (the ``partial`` region
+        # holds them) and, for an up tile, from part 0 of its gate tile.
+        for tile in range(p.tiles1):
+            parts = [r for r in range(p.cluster) if r // p.split == tile]
+            assert parts == [tile * p.split + q for q in range(p.split)]
+        if p.split > 1:
+            assert p.regions.sizes["partial"] == (p.split - 1) * TILE * 4
+        gate_peers = [(t - p.nk2) * p.split for t in range(p.nk2, p.tiles1)]
+        assert gate_peers == [u * p.split for u in range(p.nk2)]  # part 0 of up tiles 0..
 
 
 @pytest.mark.parametrize(
