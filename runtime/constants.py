@@ -43,7 +43,9 @@ SMEM_PER_SM = {"sm_90a": 233472, "sm_100a": 233472}
 #: ``Launcher.residency``; ``moe-build bench`` records it per variant).
 #: Measured on an H200 (132 SMs, driver 580.159.04) for CTAs of 160 (the
 #: mega kernel's) and 192 threads at the shared memory of each CTAs-per-SM level
-#: (docs/notes/h200-measurements.md, docs/notes/models-h200.md). A target or
+#: (docs/notes/h200-measurements.md, docs/notes/models-h200.md; the
+#: committed bench results' ``residency`` records must agree:
+#: tests/test_recorded_residency.py). A target or
 #: entry not recorded here is planned with the bound (``kernels/mega_plan.py``
 #: ``resident_clusters``).
 RESIDENT_CLUSTERS = {
