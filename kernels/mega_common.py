@@ -311,6 +311,30 @@ def finish_slice(plan: mp.MegaPlan, base: Int32, e, token, rank, weight, out: In
             )
 
 
+@cute.jit
+def meet_k_parts(plan: mp.MegaPlan, base: Int32, acc: Float32, row, rank, part, pair: Int32,
+                 then):  # fmt: skip
+    """The K parts of a GEMM1 row tile meet at part 0 (``plan.split`` > 1;
+    thread ``row`` of the group holding physical row ``row``'s sum ``acc``
+    of this CTA's K part ``part``): part p > 0 sends its sums into part 0's
+    ``partial`` region (slot p - 1, 512 bytes completing on part 0's ``pair``
+    barrier, which expects (split - 1) x 512), part 0 waits on ``pair``, adds
+    the other parts' sums and calls ``then(acc)`` with the row tile's whole
+    sum. Without a split (``part`` unused) ``then(acc)`` runs directly."""
+    if cutlass.const_expr(plan.split == 1):
+        then(acc)
+    else:
+        if part > 0:
+            # K part ``part`` hands its row sums to part 0 of its row tile.
+            send_word(base + plan.offset("partial") + ((part - 1) * TILE + row) * 4,
+                      ptx.float_bits(acc), pair, rank - part)  # fmt: skip
+        else:
+            ptx.mbarrier_wait_cluster(pair, 0)
+            for q in cutlass.range_constexpr(plan.split - 1):
+                acc = acc + ptx.ld_shared_f32(base + plan.offset("partial") + (q * TILE + row) * 4)
+            then(acc)
+
+
 def send_word(local_addr: Int32, value, local_bar: Int32, peer) -> None:
     """``st.async`` of one word to the same shared offset in CTA ``peer``,
     completing 4 bytes on that CTA's barrier at ``local_bar``'s offset."""

@@ -327,20 +327,9 @@ class MegaKernel(mgc.MegaEntries):
         local = mc.logical_row(rows1, tile * TILE + row) - tile * TILE
 
         ptx.cluster_wait()
-        if cutlass.const_expr(plan.split == 1):
-            self.gate_or_up(sm, acc, local, e, lane, tile, gate_recv, hrecv)
-        else:
-            if half > 0:
-                # K part ``half`` hands its row sums to part 0 of its row tile.
-                mgc.send_word(sm + plan.offset("partial") + ((half - 1) * TILE + row) * 4,
-                              ptx.float_bits(acc), pair, rank - half)  # fmt: skip
-            else:
-                ptx.mbarrier_wait_cluster(pair, 0)
-                for q in cutlass.range_constexpr(plan.split - 1):
-                    acc = acc + ptx.ld_shared_f32(
-                        sm + plan.offset("partial") + (q * TILE + row) * 4
-                    )
-                self.gate_or_up(sm, acc, local, e, lane, tile, gate_recv, hrecv)
+        mgc.meet_k_parts(plan, sm, acc, row, rank, half, pair,
+                         lambda whole: self.gate_or_up(sm, whole, local, e, lane, tile,
+                                                       gate_recv, hrecv))  # fmt: skip
 
         # GEMM2: this CTA's rows, hidden blocks in B columns 0..nk2-1.
         ptx.mbarrier_wait_cluster(hrecv, 0)

@@ -404,20 +404,12 @@ class MegaMoeSm90(mgc.MegaEntries):
                 sums[2 * h + r] = v
         acc = _quad_pick(sums, quad)
 
-        if cutlass.const_expr(plan.split == 1):
-            self.gate_or_up(base, acc, local, tid, lane, tile, gate_in, hrecv)
-        else:
+        part = None
+        if cutlass.const_expr(plan.split > 1):
             part = rank % plan.split
-            if part > 0:
-                # K part ``part`` hands its row sums to part 0 of its row tile.
-                mgc.send_word(base + plan.offset("partial") + ((part - 1) * TILE + row) * 4,
-                              ptx.float_bits(acc), pair, rank - part)  # fmt: skip
-            else:
-                ptx.mbarrier_wait_cluster(pair, 0)
-                for q in cutlass.range_constexpr(plan.split - 1):
-                    acc = acc + ptx.ld_shared_f32(base + plan.offset("partial")
-                                                  + (q * TILE + row) * 4)  # fmt: skip
-                self.gate_or_up(base, acc, local, tid, lane, tile, gate_in, hrecv)
+        mgc.meet_k_parts(plan, base, acc, row, rank, part, pair,
+                         lambda whole: self.gate_or_up(base, whole, local, tid, lane, tile,
+                                                       gate_in, hrecv))  # fmt: skip
 
         # GEMM2: this CTA's rows; hidden block kb is B column kb.
         ptx.mbarrier_wait_cluster(hrecv, 0)
