@@ -1,8 +1,8 @@
 """Architecture-independent device code of the mega kernel (sm_90a and
 sm_100a): what each cluster is (``mega_plan.cluster_role``), routing and the
 ids/weights record, the token's FP8 quantization into B tiles, B-tile
-zeroing, the hidden block (clamped SwiGLU, FP8, broadcast to the cluster),
-DSMEM word stores, the output row and the finalize (``finish_slice``: the
+zeroing, the K parts' meeting at part 0 (``meet_k_parts``), the hidden block
+(clamped SwiGLU, FP8, broadcast to the cluster), DSMEM word stores, the output row and the finalize (``finish_slice``: the
 last CTA to write a token's slice of rows sums them into ``final``); and the
 compile step both kernels share (fake arguments from the ABI table, entry
 name, PTX and cubin).
