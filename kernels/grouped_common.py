@@ -100,7 +100,7 @@ from kernels.abi import (
     GROUPED_ROUTED_PARAMS,
     fake_arguments,
 )
-from kernels.build_common import compile_entry
+from kernels.build_common import compile_entry, launch_named
 from kernels.grouped_plan import (
     END,
     GROUP,
@@ -383,16 +383,10 @@ class GroupedCommon:
                  hscale: cute.Tensor, partial: cute.Tensor, counters: cute.Tensor,
                  stream):  # fmt: skip
         """Launch with the shared expert (``grouped_common.PARAMS``)."""
-        self.kernel.set_name_prefix(self.ENTRY, remove_cutlass_symbol=True,
-                                    keep_mangled_name=False)  # fmt: skip
-        self.launch(
-            self.kernel(
-                maps, w13_scale, w2_scale, s13_scale, s2_scale, s13, s2, x, logits, bias, rows,
-                out, shared_out, final, ids, weights, plan_x, plan_s, hidden, hscale, partial,
-                counters,
-            ),
-            stream,
-        )  # fmt: skip
+        launch_named(self, self.kernel,
+                     (maps, w13_scale, w2_scale, s13_scale, s2_scale, s13, s2, x, logits, bias,
+                      rows, out, shared_out, final, ids, weights, plan_x, plan_s, hidden, hscale,
+                      partial, counters), stream)  # fmt: skip
 
     @cute.jit
     def routed_only(self, maps: cute.Tensor, w13_scale: cute.Tensor, w2_scale: cute.Tensor,
@@ -402,15 +396,9 @@ class GroupedCommon:
                     hidden: cute.Tensor, hscale: cute.Tensor, partial: cute.Tensor,
                     counters: cute.Tensor, stream):  # fmt: skip
         """Launch without a shared expert (``grouped_common.ROUTED_PARAMS``)."""
-        self.kernel_routed.set_name_prefix(self.ENTRY, remove_cutlass_symbol=True,
-                                           keep_mangled_name=False)  # fmt: skip
-        self.launch(
-            self.kernel_routed(
-                maps, w13_scale, w2_scale, x, logits, bias, rows, out, final, ids, weights,
-                plan_x, plan_s, hidden, hscale, partial, counters,
-            ),
-            stream,
-        )  # fmt: skip
+        launch_named(self, self.kernel_routed,
+                     (maps, w13_scale, w2_scale, x, logits, bias, rows, out, final, ids, weights,
+                      plan_x, plan_s, hidden, hscale, partial, counters), stream)  # fmt: skip
 
     @cute.kernel
     def kernel(self, maps: cute.Tensor, w13_scale: cute.Tensor, w2_scale: cute.Tensor,

@@ -34,7 +34,7 @@ from kernels.abi import (
     MEGA_ROUTED_PARAMS,
     fake_arguments,
 )
-from kernels.build_common import compile_entry
+from kernels.build_common import compile_entry, launch_named
 from runtime.constants import TILE
 
 #: The group that quantizes the token and builds the hidden block.
@@ -95,13 +95,9 @@ class MegaEntries:
                  ids: cute.Tensor, weights: cute.Tensor, arrivals: cute.Tensor,
                  stream):  # fmt: skip
         """Launch with the shared expert (``mega_common.PARAMS``)."""
-        self.kernel.set_name_prefix(self.ENTRY, remove_cutlass_symbol=True,
-                                    keep_mangled_name=False)  # fmt: skip
-        self.launch(
-            self.kernel(maps, w13_scale, w2_scale, s13_scale, s2_scale, x, logits, bias, rows1,
-                        rows2, out, shared_out, final, ids, weights, arrivals),
-            stream,
-        )  # fmt: skip
+        launch_named(self, self.kernel,
+                     (maps, w13_scale, w2_scale, s13_scale, s2_scale, x, logits, bias, rows1,
+                      rows2, out, shared_out, final, ids, weights, arrivals), stream)  # fmt: skip
 
     @cute.jit
     def routed_only(self, maps: cute.Tensor, w13_scale: cute.Tensor, w2_scale: cute.Tensor,
@@ -110,13 +106,9 @@ class MegaEntries:
                     ids: cute.Tensor, weights: cute.Tensor, arrivals: cute.Tensor,
                     stream):  # fmt: skip
         """Launch without a shared expert (``mega_common.ROUTED_PARAMS``)."""
-        self.kernel_routed.set_name_prefix(self.ENTRY, remove_cutlass_symbol=True,
-                                           keep_mangled_name=False)  # fmt: skip
-        self.launch(
-            self.kernel_routed(maps, w13_scale, w2_scale, x, logits, bias, rows1, rows2, out,
-                               final, ids, weights, arrivals),
-            stream,
-        )  # fmt: skip
+        launch_named(self, self.kernel_routed,
+                     (maps, w13_scale, w2_scale, x, logits, bias, rows1, rows2, out, final, ids,
+                      weights, arrivals), stream)  # fmt: skip
 
     @cute.kernel
     def kernel(self, maps: cute.Tensor, w13_scale: cute.Tensor, w2_scale: cute.Tensor,

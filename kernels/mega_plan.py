@@ -93,8 +93,8 @@ class MegaArch:
     uneven_gemm2: bool = False
     #: Most CTAs of a cluster (one per GEMM1 row tile and K part).
     max_cluster: int = 16
-    #: Most CTAs of a cluster that splits K (``mega_split``); 0: ``max_cluster``.
-    split_cluster: int = 0
+    #: Most CTAs of a cluster that splits K (``mega_split``).
+    split_cluster: int = 16
     #: K splits only while a call's CTAs would fill less than this fraction
     #: of the target's SMs (``mega_split``); 0: always the most parts.
     split_fill: float = 0.0
@@ -168,9 +168,8 @@ def mega_split(arch: str, hidden: int, inter: int, groups: int = 0, sms: int = 0
     at once than its SM count allows (7 of each at one CTA per SM)."""
     cfg = ARCH[arch]
     tiles1, nk1 = 2 * inter // TILE, hidden // TILE
-    most = cfg.split_cluster or cfg.max_cluster
     split = 1
-    while (split * 2 <= cfg.max_split and tiles1 * split * 2 <= most
+    while (split * 2 <= cfg.max_split and tiles1 * split * 2 <= cfg.split_cluster
            and nk1 % (split * 2) == 0 and nk1 // (split * 2) >= cfg.min_blocks):  # fmt: skip
         if cfg.split_fill and groups * tiles1 * split >= cfg.split_fill * sms:
             break
