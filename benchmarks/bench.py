@@ -55,7 +55,7 @@ from pathlib import Path
 import torch
 
 from runtime.model import MoEShape
-from runtime.reference import moe_reference, route_for, tie_margin
+from runtime.reference import moe_reference, route_for, tie_margin_for
 
 #: Routing kind -> standard deviation of the per-expert skew: the bias of a
 #: model that has one, else (times ``LOGIT_SKEW``) a logit offset.
@@ -211,12 +211,10 @@ def route_ids(logits: torch.Tensor, bias: torch.Tensor | None, shape: MoEShape) 
     return route_for(flat, bias, shape)[0].view(*logits.shape[:-1], shape.top_k)
 
 
-def tie_margins(logits: torch.Tensor, bias: torch.Tensor | None, shape: MoEShape) -> torch.Tensor:
-    """FP32 [M]: ``runtime.reference.tie_margin`` of [M, E] logits under
-    ``shape``'s routing (score function, bias, groups); a token below
-    ``NEAR_TIE`` is a near tie."""
-    return tie_margin(logits, bias if shape.bias else None, shape.top_k, score=shape.score,
-                      groups=shape.groups, groups_kept=shape.groups_kept)  # fmt: skip
+#: FP32 [M]: ``runtime.reference.tie_margin`` of [M, E] logits under a
+#: shape's routing (score function, bias, groups); a token below ``NEAR_TIE``
+#: is a near tie.
+tie_margins = tie_margin_for
 
 
 def distinct_experts(logits: torch.Tensor, bias: torch.Tensor | None, shape: MoEShape) -> float:

@@ -211,13 +211,13 @@ def report(times: dict[int, list], captured: dict[int, Captured]) -> None:
 def check(c: Captured, weights, bias, shape, generator) -> float:
     """Replays ``c``'s graph on fresh tie-free inputs; relative L2 error of
     its output against the float64 reference (inf when it holds NaN)."""
-    from runtime.reference import moe_reference, rel_l2, tie_margin
+    from runtime.reference import moe_reference, rel_l2, tie_margin_for
 
     device, dtype = c.x.device, c.logits.dtype
     c.x.copy_(torch.randn(c.x.shape, generator=generator, device=device))
     logits = torch.randn(c.logits.shape, generator=generator, device=device).to(dtype)
     for _ in range(100):
-        close = tie_margin(logits, bias, shape.top_k) < TIE
+        close = tie_margin_for(logits, bias, shape) < TIE
         if not bool(close.any()):
             break
         fresh = torch.randn(int(close.sum()), shape.experts, generator=generator, device=device)

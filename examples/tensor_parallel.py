@@ -106,7 +106,7 @@ from runtime.constants import MAX_TOKENS, TILE  # noqa: E402
 from runtime.inputs import LOGITS  # noqa: E402
 from runtime.layout import CheckpointWeights, MoEWeights, prepare, random_checkpoint  # noqa: E402
 from runtime.model import MoEShape  # noqa: E402
-from runtime.reference import moe_reference, tie_margin  # noqa: E402
+from runtime.reference import moe_reference, tie_margin_for  # noqa: E402
 from runtime.sharding import shard_shape, split_checkpoint  # noqa: E402
 
 #: GLM-5.3-Flash's full MoE layer (the artifact holds one shard of it).
@@ -343,7 +343,7 @@ def draw_inputs(full: MoEShape, m: int, bias_std: float, logits_dtype, generator
     logits = torch.randn(m, full.experts, generator=generator, device=dev).to(logits_dtype)
     bias = torch.randn(full.experts, generator=generator, device=dev) * bias_std
     for _ in range(100):
-        close = tie_margin(logits, bias, full.top_k) < TIE
+        close = tie_margin_for(logits, bias, full) < TIE
         if not bool(close.any()):
             return x, logits, bias
         fresh = torch.randn(int(close.sum()), full.experts, generator=generator, device=dev)

@@ -55,7 +55,7 @@ def run_variant(layer, variant, shape, routed, shared, generator) -> dict:
     docstring); returns ``{"ok": bool, "<output>_rel_l2": x, ...}``."""
     import torch
 
-    from runtime.reference import moe_reference, rel_l2, tie_margin
+    from runtime.reference import moe_reference, rel_l2, tie_margin_for
 
     device = layer.device
     m = variant.tokens
@@ -63,6 +63,7 @@ def run_variant(layer, variant, shape, routed, shared, generator) -> dict:
     x = torch.randn(m, shape.hidden, generator=generator, device=device).to(torch.bfloat16)
     logits = torch.randn(m, shape.experts, generator=generator, device=device).to(dtype)
     bias = 0.1 * torch.randn(shape.experts, generator=generator, device=device)
+    bias = bias if shape.bias else None  # a model without a bias routes without one
     ids = weights = None
     if variant.kernel == "mega":
         out, ids, weights = layer.mega(x, logits, bias)
@@ -71,13 +72,15 @@ def run_variant(layer, variant, shape, routed, shared, generator) -> dict:
         got = {"final": layer.grouped(x, logits, bias, finalize=True)}
     else:
         out, ids, weights, shared_out = layer.grouped(x, logits, bias)
-        got = {"out": out, "shared": shared_out}
+        got = {"out": out}
+        if shared_out is not None:  # None without a shared expert
+            got["shared"] = shared_out
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     result, ok = {}, True
     ref = moe_reference(x, logits, bias, routed, shared, shape)
     if ids is not None:
-        near_tie = tie_margin(logits, bias, shape.top_k) < TIE
+        near_tie = tie_margin_for(logits, bias, shape) < TIE
         same = (ids.view(m, -1).long() == ref.ids.long()).all(dim=1)
         result["routing_ok"] = bool((same | near_tie).all())
         ref = moe_reference(x, logits, bias, routed, shared, shape, ids=ids)

@@ -190,6 +190,14 @@ def tie_margin(
     return margin
 
 
+def tie_margin_for(logits: torch.Tensor, bias: torch.Tensor | None,
+                   shape: MoEShape) -> torch.Tensor:  # fmt: skip
+    """``tie_margin`` under ``shape``'s routing (score function, groups; the
+    bias only where ``shape.bias``, as ``route_for`` reads it)."""
+    return tie_margin(logits, bias if shape.bias else None, shape.top_k, score=shape.score,
+                      groups=shape.groups, groups_kept=shape.groups_kept)  # fmt: skip
+
+
 def _smallest_gap(values: torch.Tensor, count: int) -> torch.Tensor:
     best = torch.sort(values, dim=-1, descending=True).values[:, :count]
     gaps = best[:, :-1] - best[:, 1:]

@@ -17,6 +17,10 @@ from runtime.reference import moe_reference
 
 SHAPE = MoEShape(hidden=256, inter=128, experts=32, top_k=4, routed_scale=2.5,
                  swiglu_limit=10.0, ue8m0=False, shared_experts=1)  # fmt: skip
+#: A Qwen3-style model: softmax routing, no bias, no shared expert.
+SOFTMAX = MoEShape(hidden=256, inter=128, experts=32, top_k=4, routed_scale=1.0,
+                   swiglu_limit=None, ue8m0=False, shared_experts=0, score="softmax",
+                   bias=False)  # fmt: skip
 
 
 class ReferenceLayer:
@@ -25,11 +29,13 @@ class ReferenceLayer:
 
     device = torch.device("cpu")
 
-    def __init__(self, routed, shared, damage=None):
-        self.routed, self.shared, self.damage = routed, shared, damage
+    def __init__(self, routed, shared, damage=None, shape=SHAPE):
+        self.routed, self.shared, self.damage, self.shape = routed, shared, damage, shape
 
     def _ref(self, x, logits, bias):
-        return moe_reference(x, logits, bias, self.routed, self.shared, SHAPE)
+        # As the runtime's check_bias: a model without a bias is called with None.
+        assert (bias is not None) == self.shape.bias, "bias passed to a model without one"
+        return moe_reference(x, logits, bias, self.routed, self.shared, self.shape)
 
     def _hurt(self, t):
         if self.damage == "row":
@@ -48,6 +54,8 @@ class ReferenceLayer:
         r = self._ref(x, logits, bias)
         if finalize:
             return self._hurt(r.final.to(torch.bfloat16))
+        if not self.shape.shared_experts:  # no shared rows: the damage goes to out
+            return self._hurt(r.out.to(torch.bfloat16)), r.ids, r.weights, None
         return r.out.to(torch.bfloat16), r.ids, r.weights, self._hurt(r.shared.to(torch.bfloat16))
 
 
@@ -80,6 +88,25 @@ def test_a_correct_layer_passes_and_a_damaged_one_fails(weights, v):
     for damage in ("row", "nan"):
         bad = run_variant(ReferenceLayer(routed, shared, damage), v, SHAPE, routed, shared,
                           generator)  # fmt: skip
+        assert not bad["ok"], (damage, bad)
+
+
+@pytest.mark.parametrize(
+    "v",
+    [variant("mega", 2), variant("grouped", 8, "bfloat16"), variant("grouped", 8, "float32", True)],
+)
+def test_a_model_without_bias_or_shared_expert_is_verified(v):
+    """Softmax routing, no bias (the call passes None), no shared expert (no
+    shared rows to compare): a correct layer passes, a damaged one fails."""
+    _, routed, shared = random_moe_weights(SOFTMAX, seeding.generator(f"{__name__}.softmax"))
+    generator = seeding.generator()
+    good = run_variant(ReferenceLayer(routed, shared, shape=SOFTMAX), v, SOFTMAX, routed, shared,
+                       generator)  # fmt: skip
+    assert good["ok"], good
+    assert "shared_rel_l2" not in good
+    for damage in ("row", "nan"):
+        bad = run_variant(ReferenceLayer(routed, shared, damage, SOFTMAX), v, SOFTMAX, routed,
+                          shared, generator)  # fmt: skip
         assert not bad["ok"], (damage, bad)
 
 
