@@ -214,6 +214,7 @@ def main(argv=None) -> int:
     p.add_argument("--profile", type=int, default=None, metavar="M")
     p.add_argument("--top", type=int, default=16)
     args = p.parse_args(argv)
+    from runtime.chunks import run_chunked
     from runtime.inputs import check_call
 
     null = NullDriver().install()
@@ -230,8 +231,11 @@ def main(argv=None) -> int:
         assert null.launches > before, "the layer launched nothing"
         check = functools.partial(check_call, x, logits, bias, shape, layer.device, layer.dtypes)
         checked = per_call_us(check, args.calls, args.repeats)[0]
+        # The torch op's body (runtime.ops.moe_layer), less torch's dispatch.
+        op = functools.partial(run_chunked, layer, x, logits, bias)
+        op_us = per_call_us(op, args.calls, args.repeats)[0]
         print(f"M={m:3d}: layer call {median:6.2f} us (min {best:6.2f}); "
-              f"check_call {checked:5.2f} us")  # fmt: skip
+              f"check_call {checked:5.2f} us; op body {op_us:6.2f} us")  # fmt: skip
     if args.profile is not None:
         x, logits, bias = inputs(shape, args.profile)
         profile = cProfile.Profile()

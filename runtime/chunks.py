@@ -107,15 +107,17 @@ def run_chunked(layer, x, logits, bias, out: torch.Tensor | None = None) -> torc
     layer's own output). With ``layer.poison`` the output is NaN-filled first,
     so rows no chunk wrote show. Row slices of dense rows stay dense and
     aligned (H is a multiple of 128, E of 32), so each chunk passes the
-    layer's checks as the whole call did."""
+    layer's checks as the whole call did. An M the layer's table serves in
+    one launch goes straight to the layer, which checks the call itself
+    (the torch op's common case: one check, no table sort)."""
+    if out is None and _one_launch(layer, x, logits):
+        return layer(x, logits, bias)
     m = check_inputs(layer, x, logits, bias)
     hidden = layer.shape.hidden
     if out is not None:
         check_output(out, m, hidden, layer.device)
     sizes = served(layer, logits.dtype)
     pieces = chunk_plan(m, sizes)
-    if len(pieces) == 1 and out is None and m in sizes:
-        return layer(x, logits, bias)
     if out is None:
         out = torch.empty(m, hidden, dtype=torch.bfloat16, device=layer.device)
     if getattr(layer, "poison", False):
@@ -123,6 +125,16 @@ def run_chunked(layer, x, logits, bias, out: torch.Tensor | None = None) -> torc
     for start, rows in pieces:
         out[start : start + rows].copy_(_call(layer, x, logits, bias, start, rows, sizes))
     return out
+
+
+def _one_launch(layer, x, logits) -> bool:
+    """Whether ``layer`` serves this call's M rows in one launch: M is in its
+    table for the logits' dtype (tensors only; anything else takes the
+    checks, which say what is wrong)."""
+    if not (isinstance(x, torch.Tensor) and isinstance(logits, torch.Tensor) and x.dim() == 2):
+        return False
+    table = layer.tables.get(_DTYPE_NAMES.get(logits.dtype))
+    return bool(table) and x.shape[0] in table
 
 
 def _call(layer, x, logits, bias, start: int, rows: int, sizes: list[int]) -> torch.Tensor:
