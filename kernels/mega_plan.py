@@ -106,7 +106,7 @@ ARCH = {
     "sm_90a": MegaArch(
         arch="sm_90a", max_split=8, b_rows=8,
         ring={1: 10, 2: 6, 3: 3},
-        split_cluster=8, split_fill=0.5, min_blocks=8,
+        split_cluster=8, split_fill=0.9, min_blocks=8,
         order={1: "shared_last_reversed", 2: "shared_first", 3: "shared_first",
                4: "shared_last_reversed"},
         k_blocks=(8, 64), uneven_gemm2=True,
@@ -163,7 +163,9 @@ def mega_split(arch: str, hidden: int, inter: int, groups: int = 0, sms: int = 0
 
     sm_90a: a TP8 shard (inter 256: 4-CTA clusters) runs 9 clusters at M = 1,
     36 CTAs, 43% of the copy bandwidth on the H200; 2 parts make 72 CTAs, as
-    GLM-5's M = 1 runs unsplit (``docs/notes/mega-sm90.md``). Split clusters
+    GLM-5's M = 1 runs unsplit. At M = 2 and 3 (72 and 108 CTAs, below 0.9 of
+    132) the split (144 and 216 CTAs at 2 per SM) gained up to 6 us on the
+    7168-hidden shards (``docs/notes/mega-sm90.md``). Split clusters
     stay within 8 CTAs there: the H200 holds fewer 12- and 16-CTA clusters
     at once than its SM count allows (7 of each at one CTA per SM)."""
     cfg = ARCH[arch]

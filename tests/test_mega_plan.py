@@ -166,16 +166,21 @@ def test_glm5_closed_forms():
 
 def test_sm90_splits_k_only_where_the_grid_leaves_most_sms_idle():
     """sm_90a: 2 K parts where one CTA per row tile would run fewer CTAs than
-    half the target's SMs and the split cluster stays within 8 CTAs; never
+    0.9 of the target's SMs and the split cluster stays within 8 CTAs; never
     without an SM count (a shape check) and never for GLM-5."""
     tp8 = {"hidden": 7168, "inter": 256, "experts": 256}
     one = plan(tokens=1, sms=132, **tp8)
-    # 9 clusters (8 routes + the shared expert) of 4 CTAs: 36 < 66.
+    # 9 clusters (8 routes + the shared expert) of 4 CTAs: 36 < 118.8.
     assert (one.split, one.cluster, one.grid, one.blocks1) == (2, 8, 72, 28)
     assert one.regions.sizes["partial"] == TILE * 4 and one.bars == 2 * one.stages + 3
     assert plan(tokens=1, sms=0, **tp8).split == 1
-    assert plan(tokens=2, sms=132, **tp8).split == 1  # 72 CTAs already
-    assert plan(tokens=1, sms=300, **tp8).split == 2  # 72 < 150; 16 CTAs a cluster is too many
+    # M = 2, 3: 72 and 108 CTAs unsplit, below 118.8; M = 4: 144 already.
+    two, three = plan(tokens=2, sms=132, **tp8), plan(tokens=3, sms=132, **tp8)
+    assert (two.split, two.grid, two.ctas_per_sm) == (2, 144, 2)
+    assert (three.split, three.grid, three.ctas_per_sm) == (2, 216, 2)
+    assert plan(tokens=4, sms=132, **tp8).split == 1
+    assert plan(tokens=3, sms=100, **tp8).split == 1  # 108 >= 90
+    assert plan(tokens=1, sms=300, **tp8).split == 2  # 16 CTAs a cluster is too many
     for tokens in range(1, mp.MEGA_TOKENS + 1):
         for shared in (0, 1):
             assert plan(tokens=tokens, shared=shared, sms=132).split == 1  # GLM-5: 64+ CTAs
