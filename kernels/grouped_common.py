@@ -191,6 +191,8 @@ class Tables:
     base: object  # Int32 shared address
     layout: SmemLayout
     plan: GroupedPlan
+    #: A diagnostics build: Int64 address of this CTA's stamps (``stamp``).
+    stamps: object = None
 
     def _view(self, offset: int, dtype, n: int):
         return view(self.base + offset, dtype, n)
@@ -334,6 +336,8 @@ class GroupedCommon:
         self.max_units, self.chunk = plan.max_units, plan.chunk
         self.counters = plan.counters
         self.stages, self.posts = layout.stages, layout.posts
+        #: A diagnostics build (``grouped_plan.STAMPS_ENV``): ``stamp`` writes.
+        self.stamps = gp.stamps_enabled()
         assert self.GATHERERS + 1 <= self.EPILOGUE_WARP
         assert THREADS == 32 * self.EPILOGUE_WARP + EPILOGUE_THREADS
 
@@ -366,8 +370,26 @@ class GroupedCommon:
             "resident_ctas_required": plan.grid,
             "smem_layout": layout.table(),
             "smem_limit": SMEM_LIMIT[self.spec.arch],
+            **({"stamps": list(gp.STAMP_POINTS)} if self.stamps else {}),
             **extra,
         }
+
+    # -- diagnostics ----------------------------------------------------------------------
+
+    def stamp_base(self, partial: Int64, cta: Int32):
+        """Address of CTA ``cta``'s stamps (a diagnostics build), else None."""
+        if not self.stamps:
+            return None
+        return partial + Int64(gp.stamp_offset(self.grid, cta, 0))
+
+    def stamp(self, t: Tables, point: str, value=None):
+        """A diagnostics build only: stores ``value`` (default: the low 32 bits
+        of ``%globaltimer``) as stamp ``point`` of this CTA
+        (``grouped_plan.STAMP_POINTS``); the caller picks the one thread."""
+        if self.stamps:
+            if value is None:
+                value = ptx.globaltimer() & Int64(0xFFFFFFFF)
+            ptx.st_global_u32(t.stamps + Int64(gp.STAMP_POINTS.index(point) * 4), Uint32(value))
 
     # -- the call's start ---------------------------------------------------------------
 
@@ -710,9 +732,11 @@ class GroupedCommon:
         """Weights of this CTA's FC1 stages, then of the FC2 jobs it claims
         ``chunk`` at a time from the per-half job counters (FC2 balances FC1's
         uneven finish), then one END per gatherer."""
+        self.stamp(t, "tables")
         n1 = t.scal[S_N1A] + t.scal[S_N1B]
         for n in cutlass.range(n1, unroll=1):
             self.post(t, maps, n, self.describe(t, n))
+        self.stamp(t, "fc1_posted")
         n = n1
         half = Int32(0)
         claim = Int32(ptx.atom_add_release_gpu_u32(jobs, Uint32(self.chunk)))
@@ -738,6 +762,10 @@ class GroupedCommon:
                     claim = Int32(ptx.atom_add_release_gpu_u32(jobs + 4, Uint32(self.chunk)))
         for g in cutlass.range_constexpr(self.GATHERERS):
             self.post(t, maps, n + g, Uint32(END))
+        self.stamp(t, "all_posted")
+        self.stamp(t, "fc1_stages", n1)
+        self.stamp(t, "fc2_stages", n - n1)
+        self.stamp(t, "units", t.scal[gp.S_UNITS])
 
     # -- the gatherers ----------------------------------------------------------------------
 
@@ -788,6 +816,9 @@ class GroupedCommon:
                         if lane == 0:
                             ready = unit_ready + Int64(unit) * 4
                             wait_at_least(ready, Uint32(self.pairs))
+                            if cutlass.const_expr(self.stamps):
+                                if n < t.scal[S_N1A] + t.scal[S_N1B] + self.GATHERERS:
+                                    self.stamp(t, "fc2_ready")
                         cute.arch.sync_warp()
                         ptx.fence_acq_rel_gpu()
                         for i in cutlass.range(lane, count * self.nk2, 32, unroll=1):
@@ -982,7 +1013,7 @@ class GroupedCommon:
     # -- the call's end -------------------------------------------------------------------
 
     @cute.jit
-    def end_call(self, counters: Int64, mine: Int64, out: Int64, shared_out: Int64,
+    def end_call(self, t: Tables, counters: Int64, mine: Int64, out: Int64, shared_out: Int64,
                  final: Int64, weights: Int64, cta: Int32, tid: Int32):  # fmt: skip
         """Every thread of the CTA: the finalize (once every CTA is through
         FC2), then this CTA's count on the call counter."""
@@ -992,6 +1023,7 @@ class GroupedCommon:
                 ptx.fence_acq_rel_gpu()
                 ptx.red_add_release_gpu_u32(finished, Uint32(1))
                 wait_at_least(finished, Uint32(self.grid))
+                self.stamp(t, "finished")
             cute.arch.sync_threads()
             ptx.fence_acq_rel_gpu()
             self.finish_tokens(out, shared_out, final, weights, cta, tid)
@@ -1043,7 +1075,8 @@ class GroupedCommon:
 def workspaces(plan: GroupedPlan) -> tuple[Workspace, ...]:
     """The variant's workspaces (``grouped_plan.workspaces``; one set serves
     every bucket of a model)."""
-    return gp.workspaces(plan.hidden, plan.inter, plan.experts, plan.top_k, plan.grid)
+    return gp.workspaces(plan.hidden, plan.inter, plan.experts, plan.top_k, plan.grid,
+                         gp.stamps_enabled())  # fmt: skip
 
 
 def check_spec(spec, arch: str, module: str) -> None:

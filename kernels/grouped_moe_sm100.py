@@ -140,7 +140,8 @@ class GroupedKernel(GroupedCommon):
         storage = cutlass.memory.SmemAllocator().allocate_tensor(
             Uint8, cute.make_layout(self.layout.total), byte_alignment=1024
         )
-        t = Tables(storage.iterator.toint(), self.layout, self.plan)
+        t = Tables(storage.iterator.toint(), self.layout, self.plan,
+                   self.stamp_base(partial.iterator.toint(), cta))  # fmt: skip
         tmem_at = t.base + self.layout.off_tmem
         maps_at = maps.iterator.toint()
         w13s, w2s = w13_scale.iterator.toint(), w2_scale.iterator.toint()
@@ -199,7 +200,7 @@ class GroupedKernel(GroupedCommon):
             )  # fmt: skip
         tc.release_tmem(tmem, TMEM_COLUMNS, warp, MMA_WARP)
         self.end_call(
-            counters.iterator.toint(), mine, out.iterator.toint(), shared_out,
+            t, counters.iterator.toint(), mine, out.iterator.toint(), shared_out,
             final.iterator.toint(), weights.iterator.toint(), cta, tid,
         )  # fmt: skip
 

@@ -150,9 +150,12 @@ class GroupedMoeSm90(GroupedCommon):
         lane = cute.arch.lane_idx()
         cta, _, _ = cute.arch.block_idx()
         base = cute.arch.get_dyn_smem(cutlass.Uint8, alignment=1024).toint()
-        t = Tables(base, self.layout, self.plan)
+        t = Tables(base, self.layout, self.plan, self.stamp_base(partial.iterator.toint(), cta))
         a_maps = maps.iterator.toint()
         a_counters = counters.iterator.toint()
+        if cutlass.const_expr(self.stamps):
+            if tid == 0:
+                self.stamp(t, "entry")
 
         if tid == 0:
             # Every MMA thread's arrival frees a weight stage.
@@ -177,11 +180,17 @@ class GroupedMoeSm90(GroupedCommon):
         # No early launch_dependents: the finalize reads the routing weights
         # this kernel writes, and a dependent grid may read them.
         ptx.griddepcontrol_wait()
+        if cutlass.const_expr(self.stamps):
+            if tid == 0:
+                self.stamp(t, "pdl_wait")
         mine = self.start_call(
             t, a_counters, logits.iterator.toint(), bias.iterator.toint(), ids.iterator.toint(),
             weights.iterator.toint(), x.iterator.toint(), plan_x.iterator.toint(),
             plan_s.iterator.toint(), cta, tid, warp, lane,
         )  # fmt: skip
+        if cutlass.const_expr(self.stamps):
+            if tid == 0:
+                self.stamp(t, "tokens_ready")
         self.number_units(t, ids.iterator.toint(), tid, warp, lane, cta)
 
         if warp == 0:
@@ -201,9 +210,12 @@ class GroupedMoeSm90(GroupedCommon):
             )  # fmt: skip
         cute.arch.sync_threads()
         self.end_call(
-            a_counters, mine, out.iterator.toint(), shared_out,
+            t, a_counters, mine, out.iterator.toint(), shared_out,
             final.iterator.toint(), weights.iterator.toint(), cta, tid,
         )  # fmt: skip
+        if cutlass.const_expr(self.stamps):
+            if tid == 0:
+                self.stamp(t, "exit")
 
     @cute.jit
     def consume(self, t: Tables, e: Int32, cta: Int32, out: Int64, shared_out: Int64,
@@ -230,6 +242,12 @@ class GroupedMoeSm90(GroupedCommon):
             slot = n % self.stages
             ptx.mbarrier_wait(t.full(slot), (n // self.stages) % 2)
             word = Uint32(t.desc[n % self.posts])
+            if cutlass.const_expr(self.stamps):
+                if e == 0:
+                    if n == 0:
+                        self.stamp(t, "first_full")
+                    if n == t.scal[gp.S_N1A] + t.scal[gp.S_N1B]:
+                        self.stamp(t, "first_fc2")
             if word != Uint32(END):
                 # The gathered B rows are generic-proxy (cp.async) writes.
                 ptx.fence_proxy_async_shared()
@@ -265,7 +283,14 @@ class GroupedMoeSm90(GroupedCommon):
                             t, frag, up, gate, n, opened, count, unit, half, cta, e, hidden,
                             hscale, partial, mine,
                         )  # fmt: skip
+                if cutlass.const_expr(self.stamps):
+                    if e == 0:
+                        if not fc2:
+                            self.stamp(t, "fc1_done")
             n = n + 1
+        if cutlass.const_expr(self.stamps):
+            if e == 0:
+                self.stamp(t, "consumer_end")
 
     @cute.jit
     def mma_stage(self, parts, a_desc: Int64, b_desc: Int64, slot: Int32):

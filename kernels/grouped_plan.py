@@ -37,6 +37,7 @@ with the same formulas, for the tests.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from kernels.smem import Regions, ceil_div
@@ -55,6 +56,45 @@ STAGE_BYTES = TILE * TILE  # one FP8 128 x 128 box
 #: launch error instead of a hung GPU. Generous, so that a call slowed by
 #: compute-sanitizer's instrumentation still ends normally.
 WAIT_TIMEOUT_NS = 10_000_000_000
+
+#: A diagnostics build: with this variable set to 1 at compile time (part of
+#: the build-cache key: ``pipeline.toolchain.CODE_ENV``), the grouped kernels
+#: record ``%globaltimer`` (low 32 bits, ns) at the points ``STAMP_POINTS``
+#: of every CTA, after the FC1 partials in the ``partial`` workspace
+#: (``stamp_offset``); ``benchmarks/grouped_timeline.py`` reads them.
+#: Unset (every release build), the kernels' code is unchanged.
+STAMPS_ENV = "MOE_BUILD_STAMPS"
+#: Per CTA, in this order (word index = position): times of thread 0 at entry,
+#: after the PDL wait and once every token is planned; the producer's start
+#: (unit tables done), end of its FC1 posts and of all posts; the MMA
+#: consumer's first full stage, its last FC1 stage done, its first FC2 stage
+#: full and its END; a gatherer's first FC2 unit ready; thread 0 after the
+#: finalize's wait and at exit; then counts: FC1 stages, FC2 stages, units.
+STAMP_POINTS = (
+    "entry", "pdl_wait", "tokens_ready", "tables", "fc1_posted", "all_posted",
+    "first_full", "fc1_done", "first_fc2", "consumer_end", "fc2_ready", "finished", "exit",
+    "fc1_stages", "fc2_stages", "units",
+)  # fmt: skip
+#: The stamp points that hold counts, not times.
+STAMP_COUNTS = ("fc1_stages", "fc2_stages", "units")
+
+
+def stamps_enabled(environ=None) -> bool:
+    """Whether this compile is a diagnostics build (``STAMPS_ENV`` = 1)."""
+    return (os.environ if environ is None else environ).get(STAMPS_ENV, "") == "1"
+
+
+def partial_bytes(grid: int) -> int:
+    """Bytes of the FC1 partials: one piece per CTA and half, each two sets
+    (up, gate) of GROUP x TILE FP32."""
+    return 2 * grid * 2 * GROUP * TILE * 4
+
+
+def stamp_offset(grid: int, cta, point: int):
+    """Byte offset in ``partial`` of CTA ``cta``'s stamp ``point`` (a
+    diagnostics build: after the partials)."""
+    return partial_bytes(grid) + (cta * len(STAMP_POINTS) + point) * 4
+
 
 # Stage word: unit (bits 0-9), row tile (10-15), K block (16-21), FC2 (22),
 # half (23), opens (24), closes (25). END ends a role's stage list.
@@ -98,11 +138,23 @@ def unit_capacity(experts: int, top_k: int, tokens: int = MAX_TOKENS, group: int
     return ceil_div(tokens, group) + first + more
 
 
-def chunk_jobs(tokens: int) -> int:
-    """FC2 jobs per claim: 2 up to 16 tokens, 8 above (fewer unit switches
-    against a finer tail balance; docs/notes/grouped-sm100.md has the
-    figures)."""
-    return 2 if tokens <= 16 else 8
+#: FC2 jobs per claim, per architecture: (up to 16 tokens, above 16). The
+#: producer claims as soon as its FC1 stages are posted and keeps one claim in
+#: flight, so a CTA whose FC1 range ends early takes up to two claims of FC2
+#: before a late one takes any: smaller claims balance FC2's end. sm_90a (H200,
+#: GLM-5, same seed): 2 jobs a claim above 16 tokens instead of 8, skewed
+#: routing M = 32 / 48 / 64 57.1 / 74.0 / 71.8 -> 49.5 / 67.2 / 65.2 us, random
+#: unchanged (docs/notes/grouped-sm90.md). sm_100a (B200, an earlier kernel on
+#: the same plan): 8 tokens 59 vs 65 us at 2 vs 8; 64 tokens 174 vs 181 us at
+#: 8 vs 2 (docs/notes/grouped-sm100.md). Any other arch: sm_100a's.
+CLAIM_JOBS = {"sm_90a": (2, 2), "sm_100a": (2, 8)}
+
+
+def chunk_jobs(tokens: int, arch: str = "") -> int:
+    """FC2 jobs per claim of a ``tokens``-token variant for ``arch``
+    (``CLAIM_JOBS``)."""
+    small, large = CLAIM_JOBS.get(arch, CLAIM_JOBS["sm_100a"])
+    return small if tokens <= 16 else large
 
 
 # Counters ------------------------------------------------------------------
@@ -185,6 +237,8 @@ class GroupedPlan:
     #: 1: the shared expert's units run first; 0: routed units only (the
     #: capacities below stay sized for one, an upper bound).
     shared_experts: int = 1
+    #: The target architecture (only ``chunk`` depends on it); "" in a shape check.
+    arch: str = ""
 
     def __post_init__(self):
         problems = plan_problems(self.hidden, self.inter, self.experts, self.top_k, self.tokens)
@@ -194,7 +248,7 @@ class GroupedPlan:
     @classmethod
     def from_spec(cls, spec) -> GroupedPlan:
         return cls(spec.hidden, spec.inter, spec.experts, spec.top_k, spec.tokens, spec.sms,
-                   spec.shared_experts)  # fmt: skip
+                   spec.shared_experts, spec.arch)  # fmt: skip
 
     depth = property(lambda self: stage_depth(self.hidden, self.inter))  # K blocks a stage
     nk1 = property(lambda self: self.hidden // TILE)  # GEMM1 K blocks
@@ -207,7 +261,7 @@ class GroupedPlan:
     routes = property(lambda self: self.tokens * self.top_k)
     shared_units = property(lambda self: ceil_div(self.tokens, GROUP) * self.shared_experts)
     max_units = property(lambda self: unit_capacity(self.experts, self.top_k, self.tokens))
-    chunk = property(lambda self: chunk_jobs(self.tokens))
+    chunk = property(lambda self: chunk_jobs(self.tokens, self.arch))
     counters = property(lambda self: counters(self.experts, self.top_k, self.pairs))
 
 
@@ -236,20 +290,22 @@ def plan_problems(hidden: int, inter: int, experts: int, top_k: int, tokens: int
 
 
 def workspaces(
-    hidden: int, inter: int, experts: int, top_k: int, grid: int
+    hidden: int, inter: int, experts: int, top_k: int, grid: int, stamps: bool = False
 ) -> tuple[Workspace, ...]:
     """Scratch every call of a model shares (calls run one after another on a
     stream), sized for MAX_TOKENS so that every bucket can use the same
     buffers: quantized tokens, their scales, hidden blocks and scales of every
-    unit, FC1 partials (one per CTA and half) and the parity counters."""
+    unit, FC1 partials (one per CTA and half; a diagnostics build's stamps
+    after them) and the parity counters."""
     units = unit_capacity(experts, top_k)
+    stamp_bytes = grid * len(STAMP_POINTS) * 4 if stamps else 0
     nk1, nk2 = hidden // TILE, inter // TILE
     return (
         Workspace("plan_x", MAX_TOKENS * hidden),
         Workspace("plan_s", MAX_TOKENS * nk1 * 4),
         Workspace("hidden", units * GROUP * inter),
         Workspace("hscale", units * GROUP * nk2 * 4),
-        Workspace("partial", 2 * grid * 2 * GROUP * TILE * 4),
+        Workspace("partial", partial_bytes(grid) + stamp_bytes),
         Workspace("counters", counters(experts, top_k, nk2).total * 4, zero=True),
     )
 

@@ -13,6 +13,8 @@ import os
 import re
 import sys
 
+from kernels.grouped_plan import STAMPS_ENV
+
 #: Distributions whose code generates the cubins (the DSL front end and the
 #: bundled NVVM/ptxas live in the libs-* wheels).
 DSL_DISTRIBUTIONS = (
@@ -22,6 +24,10 @@ DSL_DISTRIBUTIONS = (
     "nvidia-cutlass-dsl-libs-cu12",
     "nvidia-cutlass-dsl-libs-cu13",
 )
+
+#: The project's variables that change generated code: the grouped kernels'
+#: diagnostics build (``kernels.grouped_plan.STAMPS_ENV``).
+CODE_ENV = (STAMPS_ENV,)
 
 #: CUTE_DSL_* variables that cannot change generated code (what to dump and
 #: where, logging, the DSL's own caches). Every other CUTE_DSL_* variable that
@@ -103,12 +109,13 @@ def python_version() -> str:
 
 
 def dsl_environment(environ=None) -> dict[str, str]:
-    """The set CUTE_DSL_* variables that may change generated code."""
+    """The set CUTE_DSL_* variables that may change generated code, and the
+    project's own (``CODE_ENV``)."""
     environ = os.environ if environ is None else environ
     return {
         k: v
         for k, v in sorted(environ.items())
-        if k.startswith("CUTE_DSL_") and k not in _DSL_ENV_IGNORED
+        if (k.startswith("CUTE_DSL_") and k not in _DSL_ENV_IGNORED) or k in CODE_ENV
     }
 
 

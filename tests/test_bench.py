@@ -503,3 +503,28 @@ def test_residency_reports_each_bound_variant():
         "mega-sm_90a-m1-float32": {"grid": 72, "resident": 120, "ctas_per_sm": 1}
     }
     assert residency(NS(), manifest) == {}  # a stand-in layer without launchers
+
+
+def test_grouped_timeline_reads_stamps_across_a_timer_wrap():
+    """``benchmarks.grouped_timeline.timeline``: times in us from the earliest
+    entry, correct when the 32-bit timer wraps between CTAs; counts as they
+    are; a point no CTA wrote is None."""
+    import torch
+
+    from benchmarks.grouped_timeline import timeline
+    from kernels.grouped_plan import STAMP_COUNTS, STAMP_POINTS
+
+    ctas, start = 3, (1 << 32) - 1500  # ns; wraps after 1.5 us
+    words = torch.zeros(ctas, len(STAMP_POINTS), dtype=torch.int64)
+    for c in range(ctas):
+        for i, name in enumerate(STAMP_POINTS):
+            words[c, i] = (
+                10 + c if name in STAMP_COUNTS else (start + 1000 * i + 100 * c) % (1 << 32)
+            )
+    words[:, STAMP_POINTS.index("finished")] = 0  # a variant without the finalize
+    signed = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+    got = timeline(signed)
+    assert got["entry"] == (0.0, 0.1, 0.2)
+    assert got["exit"] == pytest.approx((12.0, 12.1, 12.2))  # past the wrap
+    assert got["units"] == (10, 11, 12)
+    assert got["finished"] is None

@@ -577,3 +577,36 @@ def test_shape_rules_name_the_plan_limits(monkeypatch):
     # A target whose shared memory cannot hold the smallest ring.
     monkeypatch.setitem(SMEM_LIMIT, "sm_90a", 100 * 1024)
     assert any("shared memory" in r for r in unsupported("grouped", "sm_90a", 4096, 512, 288, 8, 8))
+
+
+def test_fc2_claims_per_arch():
+    """sm_90a claims 2 FC2 jobs at every bucket; sm_100a 2 up to 16 tokens and
+    8 above; a plan without an arch (a shape check) takes sm_100a's; the spec's
+    arch reaches the plan."""
+    for tokens in (8, 16, 32, 64):
+        assert gp.GroupedPlan(4096, 512, 288, 8, tokens, 132, 1, "sm_90a").chunk == 2
+        assert gp.GroupedPlan(4096, 512, 288, 8, tokens, 148, 1, "sm_100a").chunk == (
+            2 if tokens <= 16 else 8
+        )
+        assert gp.GroupedPlan(4096, 512, 288, 8, tokens, 148).chunk == (2 if tokens <= 16 else 8)
+
+
+def test_stamps_sit_after_the_partials_of_a_diagnostics_build():
+    """A diagnostics build's ``partial`` holds the FC1 partials, then one word
+    per CTA and stamp point; a release build's holds the partials only; the
+    build switch is the environment variable, exactly "1"."""
+    grid = 132
+    plain = {w.name: w for w in gp.workspaces(4096, 512, 288, 8, grid)}
+    stamped = {w.name: w for w in gp.workspaces(4096, 512, 288, 8, grid, stamps=True)}
+    points = len(gp.STAMP_POINTS)
+    assert plain["partial"].bytes == gp.partial_bytes(grid)
+    assert stamped["partial"].bytes == gp.partial_bytes(grid) + grid * points * 4
+    assert {n: w for n, w in stamped.items() if n != "partial"} == {
+        n: w for n, w in plain.items() if n != "partial"
+    }
+    last = gp.stamp_offset(grid, grid - 1, points - 1)
+    assert gp.stamp_offset(grid, 0, 0) == gp.partial_bytes(grid)
+    assert last + 4 == stamped["partial"].bytes
+    assert len(set(gp.STAMP_POINTS)) == points and set(gp.STAMP_COUNTS) <= set(gp.STAMP_POINTS)
+    assert gp.stamps_enabled({gp.STAMPS_ENV: "1"})
+    assert not gp.stamps_enabled({gp.STAMPS_ENV: "0"}) and not gp.stamps_enabled({})

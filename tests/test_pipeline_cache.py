@@ -77,10 +77,12 @@ def test_dsl_environment_keeps_only_what_can_change_code():
         "CUTE_DSL_ARCH": "sm_90a",
         "CUTE_DSL_LOG_LEVEL": "10",
         "HOME": "/root",
+        "MOE_BUILD_STAMPS": "1",  # the grouped kernels' diagnostics build
     }
     assert toolchain.dsl_environment(env) == {
         "CUTE_DSL_COMPILER_OPT": "x",
         "CUTE_DSL_LINEINFO": "1",
+        "MOE_BUILD_STAMPS": "1",
     }
 
 
@@ -229,3 +231,14 @@ def test_config_order_changes_no_key(tmp_path, stub_env):
     a, b = manifest(tmp_path / "a"), manifest(tmp_path / "b")
     assert a["config_hash"] != b["config_hash"]  # the config records the order as written
     assert [r["cache_key"] for r in a["variants"]] == [r["cache_key"] for r in b["variants"]]
+
+
+def test_a_diagnostics_build_has_its_own_cache_key(monkeypatch):
+    """The grouped kernels' stamps change their code, so the variable is part
+    of the toolchain identity the key is made of."""
+    from kernels.grouped_plan import STAMPS_ENV
+
+    monkeypatch.delenv(STAMPS_ENV, raising=False)
+    plain = toolchain.dsl_environment()
+    monkeypatch.setenv(STAMPS_ENV, "1")
+    assert toolchain.dsl_environment() == {**plain, STAMPS_ENV: "1"}
