@@ -87,8 +87,8 @@ MUTATIONS = (
     ),
     Mutation(
         "partial-workspace-halved", "kernels/grouped_plan.py",
-        'Workspace("partial", 2 * grid * 2 * GROUP * TILE * 4)',
-        'Workspace("partial", grid * 2 * GROUP * TILE * 4)',
+        "return 2 * grid * 2 * GROUP * TILE * 4",
+        "return grid * 2 * GROUP * TILE * 4",
         ("tests/test_grouped_plan.py::test_partial_workspace_holds_every_published_partial",),
     ),
     Mutation(
