@@ -204,3 +204,24 @@ def test_call_counter_wraps_at_twice_the_grid(built, other_grids):
         assert limit == 2 * s.sms - 1, (s.sms, limit)
         assert param == params_of(s).index("counters")
         assert offset == 4 * plan.counters.calls
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("arch,sms", [("sm_90a", SMS), ("sm_100a", 148)])
+def test_a_diagnostics_build_compiles_and_records_its_stamps(arch, sms, tmp_path, monkeypatch):
+    """``MOE_BUILD_STAMPS=1`` at compile time: a grouped variant of either
+    arch builds, names its stamp points in the notes, declares one word per
+    CTA and point after the FC1 partials, and reads ``%globaltimer`` and
+    stores to global memory more often than the release build of the same
+    spec (whose notes name no stamps)."""
+    s = dataclasses.replace(spec(8, finalize=True), arch=arch, sms=sms)
+    monkeypatch.delenv(gp.STAMPS_ENV, raising=False)
+    (plain,) = compile_specs(arch, [("plain", s)], tmp_path)
+    monkeypatch.setenv(gp.STAMPS_ENV, "1")
+    (stamped,) = compile_specs(arch, [("stamped", s)], tmp_path)
+    assert "stamps" not in plain["notes"] and stamped["notes"]["stamps"] == list(gp.STAMP_POINTS)
+    sizes = [{n: b for n, b, _ in r["workspace"]}["partial"] for r in (plain, stamped)]
+    assert sizes[1] == sizes[0] + sms * len(gp.STAMP_POINTS) * 4
+    ptx = [(tmp_path / f"{n}.ptx").read_text() for n in ("plain", "stamped")]
+    for needle in ("%globaltimer", "st.global.b32"):
+        assert ptx[1].count(needle) > ptx[0].count(needle), needle
