@@ -11,11 +11,13 @@ variable is part of the build-cache key), then run this on the GPU machine:
 
 For each (routing, M) it binds ``bench.COPIES`` random weight copies, captures
 a CUDA graph of ``bench.POOL`` calls on fresh inputs (as ``moe-build bench``
-times them: PDL between calls, weights rotated), replays it, and reads the
-stamps the last call left (every call overwrites them). Times are printed in
-microseconds from the first CTA's entry: per stamp point the minimum, median
-and maximum over the CTAs, then the counts (FC1 and FC2 stages, units). The
-sm_100a kernel records the common points only (not the consumer's).
+times them: PDL between calls, weights rotated), replays it, zeroes the
+stamps, replays it once more and reads what its last call left (every call
+overwrites them). Times are printed in microseconds from the first CTA's
+entry: per stamp point the minimum, median and maximum over the CTAs that
+wrote it, then the counts (FC1 and FC2 stages, units). The sm_100a kernel
+records every point but the MMA consumer's four (``first_full``,
+``fc1_done``, ``first_fc2``, ``consumer_end``).
 """
 
 from __future__ import annotations
@@ -42,25 +44,58 @@ def read_device(pointer: int, nbytes: int) -> torch.Tensor:
 
 
 def timeline(stamps: torch.Tensor) -> dict:
-    """{point: (min, median, max) over CTAs}: times in us from the earliest
-    entry (32-bit wrap-safe), counts as they are."""
+    """{point: (min, median, max) over the CTAs that wrote it, or None}: times
+    in us from the earliest entry (signed 32-bit differences, so CTAs on
+    either side of a timer wrap order right), counts as they are. The stamps
+    are zeroed before the call, so a 0 is a point the CTA did not write."""
     words = stamps.view(-1, len(STAMP_POINTS)).to(torch.int64) & 0xFFFFFFFF
-    entry = words[:, STAMP_POINTS.index("entry")]
-    origin = int(entry.min())
+    times = [i for i, name in enumerate(STAMP_POINTS) if name not in STAMP_COUNTS]
+    written = words[:, times][words[:, times] != 0]
+    if written.numel() == 0:
+        return dict.fromkeys(STAMP_POINTS)
+    ref = int(written[0])
+
+    def since(v: int) -> float:
+        return (((v - ref + (1 << 31)) & 0xFFFFFFFF) - (1 << 31)) / 1e3
+
+    entries = [since(v) for v in words[:, STAMP_POINTS.index("entry")].tolist() if v]
+    origin = min(entries) if entries else min(since(int(v)) for v in written)
     out = {}
     for i, name in enumerate(STAMP_POINTS):
-        col = words[:, i]
+        col = words[:, i].tolist()
         if name in STAMP_COUNTS:
-            vals = col.tolist()
+            vals = col
         else:
-            vals = [((v - origin) & 0xFFFFFFFF) / 1e3 if v else float("nan") for v in col.tolist()]
-            vals = [v if v < 1e6 else float("nan") for v in vals]  # unwritten / stale
-        finite = [v for v in vals if v == v]
-        out[name] = (min(finite), statistics.median(finite), max(finite)) if finite else None
+            vals = [since(v) - origin for v in col if v]
+        out[name] = (min(vals), statistics.median(vals), max(vals)) if vals else None
     return out
 
 
-def run_case(artifact, copies, shape, g, device, routing: str, m: int, finalize: bool):
+def zero_device(pointer: int, nbytes: int) -> None:
+    """Zeroes ``nbytes`` of device memory at ``pointer`` (synchronous)."""
+    from cuda.bindings import driver as cu
+
+    (err,) = cu.cuMemsetD8(pointer, 0, nbytes)
+    if err != cu.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuMemsetD8: {err}")
+
+
+def stamped_variant(artifact):
+    """The loaded arch's first grouped variant, if it was built with stamps
+    (its ``partial`` workspace holds them after the partials), else None."""
+    shape = artifact.shape
+    records = {r["name"]: r for r in artifact.manifest["variants"]}
+    for variant in artifact.variants:
+        if variant.kernel != "grouped" or "stamps" not in records[variant.name].get("notes", {}):
+            continue
+        need = partial_bytes(shape.hidden, shape.inter, shape.experts, shape.top_k)
+        need += variant.launch.grid[0] * len(STAMP_POINTS) * 4
+        if {w.name: w.bytes for w in variant.workspace}.get("partial", 0) >= need:
+            return variant
+    return None
+
+
+def run_case(artifact, variant, copies, shape, g, device, routing: str, m: int, finalize: bool):
     """The stamps of the last call of a replayed graph of POOL calls."""
     x, logits, bias = routing_inputs(routing, m, shape, POOL, g, device)
     stream = torch.cuda.Stream(device)
@@ -79,12 +114,14 @@ def run_case(artifact, copies, shape, g, device, routing: str, m: int, finalize:
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize(device)
-    variant = next(v for v in artifact.variants if v.kernel == "grouped")
     pointer = artifact.workspaces(device.index).pointers(stream.cuda_stream, variant)["partial"]
     grid = variant.launch.grid[0]
-    base = partial_bytes(grid)
-    raw = read_device(pointer + base, grid * len(STAMP_POINTS) * 4)
-    return timeline(raw.view(torch.int32)), grid
+    base = pointer + partial_bytes(shape.hidden, shape.inter, shape.experts, shape.top_k)
+    nbytes = grid * len(STAMP_POINTS) * 4
+    zero_device(base, nbytes)
+    graph.replay()
+    torch.cuda.synchronize(device)
+    return timeline(read_device(base, nbytes).view(torch.int32)), grid
 
 
 def main(argv=None) -> int:
@@ -100,19 +137,25 @@ def main(argv=None) -> int:
     import runtime
     from runtime.layout import random_moe_weights
 
+    try:
+        tokens = [int(t) for t in args.tokens.split(",")]
+    except ValueError:
+        parser.error(f"--tokens {args.tokens!r}: comma-separated integers")
     device = torch.device("cuda", torch.cuda.current_device())
     artifact = runtime.load(args.artifact)
-    stamped = [r for r in artifact.manifest["variants"]
-               if r["kernel"] == "grouped" and "stamps" in r.get("notes", {})]  # fmt: skip
-    if not stamped:
-        parser.error(f"{args.artifact}: no stamped grouped variant (build with MOE_BUILD_STAMPS=1)")
+    variant = stamped_variant(artifact)
+    if variant is None:
+        parser.error(f"{args.artifact}: no stamped grouped variant for {artifact.arch} "
+                     "(build with MOE_BUILD_STAMPS=1)")  # fmt: skip
     shape = artifact.shape
     g = torch.Generator(device=device).manual_seed(args.seed)
     copies = [artifact.bind(random_moe_weights(shape, g)[0]) for _ in range(COPIES)]
     results = []
     for routing in args.routing or ["random"]:
-        for m in [int(t) for t in args.tokens.split(",")]:
-            line, grid = run_case(artifact, copies, shape, g, device, routing, m, args.finalize)
+        for m in tokens:
+            line, grid = run_case(
+                artifact, variant, copies, shape, g, device, routing, m, args.finalize
+            )
             results.append({"routing": routing, "tokens": m, "grid": grid, "points": line})
             print(f"{routing} M={m} ({grid} CTAs): us from the first entry, min / median / max")
             for name, v in line.items():

@@ -391,6 +391,14 @@ class GroupedCommon:
                 value = ptx.globaltimer() & Int64(0xFFFFFFFF)
             ptx.st_global_u32(t.stamps + Int64(gp.STAMP_POINTS.index(point) * 4), Uint32(value))
 
+    @cute.jit
+    def stamp_thread0(self, t: Tables, tid: Int32, point: cutlass.Constexpr[int]):
+        """A diagnostics build only: thread 0 stores stamp ``STAMP_POINTS[point]``
+        (the call's entry, PDL wait, tokens ready and exit, on both archs)."""
+        if cutlass.const_expr(self.stamps):
+            if tid == 0:
+                self.stamp(t, gp.STAMP_POINTS[point])
+
     # -- the call's start ---------------------------------------------------------------
 
     # -- entry points (both archs; ``launch`` and ``body`` are the arch's) ------------------

@@ -146,6 +146,7 @@ class GroupedKernel(GroupedCommon):
         maps_at = maps.iterator.toint()
         w13s, w2s = w13_scale.iterator.toint(), w2_scale.iterator.toint()
         s13s, s2s = s13_scale, s2_scale
+        self.stamp_thread0(t, tid, gp.STAMP_POINTS.index("entry"))
 
         if tid == 0:
             # Empty stages are released by one UMMA commit each.
@@ -172,11 +173,13 @@ class GroupedKernel(GroupedCommon):
         # No early launch_dependents: the finalize publish reads the routing
         # weights this kernel writes before its own PDL wait.
         ptx.griddepcontrol_wait()
+        self.stamp_thread0(t, tid, gp.STAMP_POINTS.index("pdl_wait"))
         mine = self.start_call(
             t, counters.iterator.toint(), logits.iterator.toint(), bias.iterator.toint(),
             ids.iterator.toint(), weights.iterator.toint(), x.iterator.toint(),
             plan_x.iterator.toint(), plan_s.iterator.toint(), cta, tid, warp, lane,
         )  # fmt: skip
+        self.stamp_thread0(t, tid, gp.STAMP_POINTS.index("tokens_ready"))
         self.number_units(t, ids.iterator.toint(), tid, warp, lane, cta)
         unit_ready = mine + self.counters.unit_ready * 4
         jobs = mine + self.counters.jobs * 4  # next FC2 job of halves A and B
@@ -203,6 +206,7 @@ class GroupedKernel(GroupedCommon):
             t, counters.iterator.toint(), mine, out.iterator.toint(), shared_out,
             final.iterator.toint(), weights.iterator.toint(), cta, tid,
         )  # fmt: skip
+        self.stamp_thread0(t, tid, gp.STAMP_POINTS.index("exit"))
 
     @cute.jit
     def issue(self, t: Tables, tmem: Int32, lane: Int32):

@@ -153,9 +153,7 @@ class GroupedMoeSm90(GroupedCommon):
         t = Tables(base, self.layout, self.plan, self.stamp_base(partial.iterator.toint(), cta))
         a_maps = maps.iterator.toint()
         a_counters = counters.iterator.toint()
-        if cutlass.const_expr(self.stamps):
-            if tid == 0:
-                self.stamp(t, "entry")
+        self.stamp_thread0(t, tid, gp.STAMP_POINTS.index("entry"))
 
         if tid == 0:
             # Every MMA thread's arrival frees a weight stage.
@@ -180,17 +178,13 @@ class GroupedMoeSm90(GroupedCommon):
         # No early launch_dependents: the finalize reads the routing weights
         # this kernel writes, and a dependent grid may read them.
         ptx.griddepcontrol_wait()
-        if cutlass.const_expr(self.stamps):
-            if tid == 0:
-                self.stamp(t, "pdl_wait")
+        self.stamp_thread0(t, tid, gp.STAMP_POINTS.index("pdl_wait"))
         mine = self.start_call(
             t, a_counters, logits.iterator.toint(), bias.iterator.toint(), ids.iterator.toint(),
             weights.iterator.toint(), x.iterator.toint(), plan_x.iterator.toint(),
             plan_s.iterator.toint(), cta, tid, warp, lane,
         )  # fmt: skip
-        if cutlass.const_expr(self.stamps):
-            if tid == 0:
-                self.stamp(t, "tokens_ready")
+        self.stamp_thread0(t, tid, gp.STAMP_POINTS.index("tokens_ready"))
         self.number_units(t, ids.iterator.toint(), tid, warp, lane, cta)
 
         if warp == 0:
@@ -213,9 +207,7 @@ class GroupedMoeSm90(GroupedCommon):
             t, a_counters, mine, out.iterator.toint(), shared_out,
             final.iterator.toint(), weights.iterator.toint(), cta, tid,
         )  # fmt: skip
-        if cutlass.const_expr(self.stamps):
-            if tid == 0:
-                self.stamp(t, "exit")
+        self.stamp_thread0(t, tid, gp.STAMP_POINTS.index("exit"))
 
     @cute.jit
     def consume(self, t: Tables, e: Int32, cta: Int32, out: Int64, shared_out: Int64,
@@ -247,7 +239,8 @@ class GroupedMoeSm90(GroupedCommon):
                     if n == 0:
                         self.stamp(t, "first_full")
                     if n == t.scal[gp.S_N1A] + t.scal[gp.S_N1B]:
-                        self.stamp(t, "first_fc2")
+                        if word != Uint32(END):
+                            self.stamp(t, "first_fc2")
             if word != Uint32(END):
                 # The gathered B rows are generic-proxy (cp.async) writes.
                 ptx.fence_proxy_async_shared()

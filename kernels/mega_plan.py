@@ -26,10 +26,10 @@ A CTA streams ``loads`` = blocks1 + tiles2 * I/128 weight stages (one 128 x
 Per architecture (``ARCH``), each row tile's K runs in ``split`` parts
 (``mega_split``). sm_90a (warpgroup MMA, B tiles of 8 token rows: ``wgmma
 m64n8k32``) runs one CTA per row tile over the whole K, except where a
-call's CTAs would fill less than half the SMs: then K doubles into parts
-while the cluster stays within 8 CTAs and each part keeps at least 8 K
-blocks (2 parts for the TP8 shards' 4-CTA clusters at M = 1; up to 4 at
-inter 128); sm_100a splits into the most parts, up to
+call's CTAs would fill less than 0.9 of the SMs (``split_fill``): then K
+doubles into parts while the cluster stays within 8 CTAs and each part keeps
+at least 8 K blocks (2 parts for the TP8 shards' 4-CTA clusters at M = 1..3;
+up to 4 at inter 128); sm_100a splits into the most parts, up to
 8, that keep the cluster within 16 CTAs and divide H/128, each part's K
 blocks the columns of UMMA N = 16 accumulators in TMEM (GLM-5: 8 row tiles x
 2 K parts of 16 K blocks).

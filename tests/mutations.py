@@ -372,7 +372,7 @@ MUTATIONS = (
         "mega-split-ignores-the-grid", "kernels/mega_plan.py",
         "        if cfg.split_fill and groups * tiles1 * split >= cfg.split_fill * sms:\n",
         "        if cfg.split_fill and sms <= 0:\n",
-        ("tests/test_mega_plan.py::test_sm90_splits_k_only_where_the_grid_leaves_most_sms_idle",),
+        ("tests/test_mega_plan.py::test_sm90_splits_k_only_for_small_grids",),
     ),
     Mutation(
         "mega-tmem-accumulators-round-down", "kernels/mega_plan.py",

@@ -507,14 +507,15 @@ def test_residency_reports_each_bound_variant():
 
 def test_grouped_timeline_reads_stamps_across_a_timer_wrap():
     """``benchmarks.grouped_timeline.timeline``: times in us from the earliest
-    entry, correct when the 32-bit timer wraps between CTAs; counts as they
-    are; a point no CTA wrote is None."""
+    entry, right when the 32-bit timer wraps between the CTAs' entries; counts
+    as they are; a point no CTA wrote (0: the stamps are zeroed before the
+    call) is None, one some CTAs did not write counts the others only."""
     import torch
 
     from benchmarks.grouped_timeline import timeline
     from kernels.grouped_plan import STAMP_COUNTS, STAMP_POINTS
 
-    ctas, start = 3, (1 << 32) - 1500  # ns; wraps after 1.5 us
+    ctas, start = 3, (1 << 32) - 150  # ns; CTA 0 and 1 enter before the wrap, 2 after
     words = torch.zeros(ctas, len(STAMP_POINTS), dtype=torch.int64)
     for c in range(ctas):
         for i, name in enumerate(STAMP_POINTS):
@@ -522,9 +523,14 @@ def test_grouped_timeline_reads_stamps_across_a_timer_wrap():
                 10 + c if name in STAMP_COUNTS else (start + 1000 * i + 100 * c) % (1 << 32)
             )
     words[:, STAMP_POINTS.index("finished")] = 0  # a variant without the finalize
+    words[0, STAMP_POINTS.index("fc2_ready")] = 0  # a CTA without FC2 stages
     signed = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
     got = timeline(signed)
-    assert got["entry"] == (0.0, 0.1, 0.2)
-    assert got["exit"] == pytest.approx((12.0, 12.1, 12.2))  # past the wrap
+    assert got["entry"] == pytest.approx((0.0, 0.1, 0.2))
+    assert got["exit"] == pytest.approx((12.0, 12.1, 12.2))
+    assert got["fc2_ready"] == pytest.approx((10.1, 10.15, 10.2))
     assert got["units"] == (10, 11, 12)
     assert got["finished"] is None
+    assert all(
+        v is None for v in timeline(torch.zeros(2, len(STAMP_POINTS), dtype=torch.int32)).values()
+    )

@@ -164,7 +164,7 @@ def test_glm5_closed_forms():
     assert plan("sm_90a", tokens=4, shared=0).groups == 32
 
 
-def test_sm90_splits_k_only_where_the_grid_leaves_most_sms_idle():
+def test_sm90_splits_k_only_for_small_grids():
     """sm_90a: 2 K parts where one CTA per row tile would run fewer CTAs than
     0.9 of the target's SMs and the split cluster stays within 8 CTAs; never
     without an SM count (a shape check) and never for GLM-5."""
