@@ -83,13 +83,12 @@ def zero_device(pointer: int, nbytes: int) -> None:
 def stamped_variant(artifact):
     """The loaded arch's first grouped variant, if it was built with stamps
     (its ``partial`` workspace holds them after the partials), else None."""
-    shape = artifact.shape
     records = {r["name"]: r for r in artifact.manifest["variants"]}
     for variant in artifact.variants:
         if variant.kernel != "grouped" or "stamps" not in records[variant.name].get("notes", {}):
             continue
-        need = partial_bytes(shape.hidden, shape.inter, shape.experts, shape.top_k)
-        need += variant.launch.grid[0] * len(STAMP_POINTS) * 4
+        grid = variant.launch.grid[0]
+        need = partial_bytes(grid) + grid * len(STAMP_POINTS) * 4
         if {w.name: w.bytes for w in variant.workspace}.get("partial", 0) >= need:
             return variant
     return None
@@ -116,7 +115,7 @@ def run_case(artifact, variant, copies, shape, g, device, routing: str, m: int, 
     torch.cuda.synchronize(device)
     pointer = artifact.workspaces(device.index).pointers(stream.cuda_stream, variant)["partial"]
     grid = variant.launch.grid[0]
-    base = pointer + partial_bytes(shape.hidden, shape.inter, shape.experts, shape.top_k)
+    base = pointer + partial_bytes(grid)
     nbytes = grid * len(STAMP_POINTS) * 4
     zero_device(base, nbytes)
     graph.replay()

@@ -534,3 +534,26 @@ def test_grouped_timeline_reads_stamps_across_a_timer_wrap():
     assert all(
         v is None for v in timeline(torch.zeros(2, len(STAMP_POINTS), dtype=torch.int32)).values()
     )
+
+
+def test_grouped_timeline_reads_only_a_stamped_variant_of_the_loaded_arch():
+    """``stamped_variant``: a grouped variant whose manifest notes name the
+    stamps and whose ``partial`` workspace holds them; a release build's, a
+    mega variant or a workspace too small for the stamps is refused."""
+    from types import SimpleNamespace as NS
+
+    from benchmarks.grouped_timeline import stamped_variant
+    from kernels.grouped_plan import STAMP_POINTS, partial_bytes
+
+    full = partial_bytes(132) + 132 * len(STAMP_POINTS) * 4
+
+    def artifact(kernel="grouped", notes=True, partial=full):
+        v = NS(name="v", kernel=kernel, launch=NS(grid=(132, 1, 1)),
+               workspace=(NS(name="partial", bytes=partial),))  # fmt: skip
+        record = {"name": "v", "notes": {"stamps": list(STAMP_POINTS)} if notes else {}}
+        return NS(variants=(v,), manifest={"variants": [record]})
+
+    assert stamped_variant(artifact()).name == "v"
+    assert stamped_variant(artifact(notes=False)) is None
+    assert stamped_variant(artifact(kernel="mega")) is None
+    assert stamped_variant(artifact(partial=full - 4)) is None
