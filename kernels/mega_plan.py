@@ -164,8 +164,8 @@ def mega_split(arch: str, hidden: int, inter: int, groups: int = 0, sms: int = 0
     sm_90a: a TP8 shard (inter 256: 4-CTA clusters) runs 9 clusters at M = 1,
     36 CTAs, 43% of the copy bandwidth on the H200; 2 parts make 72 CTAs, as
     GLM-5's M = 1 runs unsplit. At M = 2 and 3 (72 and 108 CTAs, below 0.9 of
-    132) the split (144 and 216 CTAs at 2 per SM) gained up to 6 us on the
-    7168-hidden shards (``docs/notes/mega-sm90.md``). Split clusters
+    the H200's SMs) the split (twice the CTAs, 2 per SM) gained up to 6 us on
+    the 7168-hidden shards (``docs/notes/mega-sm90.md``). Split clusters
     stay within 8 CTAs there: the H200 holds fewer 12- and 16-CTA clusters
     at once than its SM count allows (7 of each at one CTA per SM)."""
     cfg = ARCH[arch]
