@@ -30,17 +30,7 @@ import torch
 
 from benchmarks.bench import COPIES, POOL, routing_inputs
 from kernels.grouped_plan import STAMP_COUNTS, STAMP_POINTS, partial_bytes
-
-
-def read_device(pointer: int, nbytes: int) -> torch.Tensor:
-    """``nbytes`` of device memory at ``pointer`` as a CPU uint8 tensor."""
-    from cuda.bindings import driver as cu
-
-    host = torch.empty(nbytes, dtype=torch.uint8)
-    (err,) = cu.cuMemcpyDtoH(host.data_ptr(), pointer, nbytes)
-    if err != cu.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"cuMemcpyDtoH: {err}")
-    return host
+from runtime import driver
 
 
 def timeline(stamps: torch.Tensor) -> dict:
@@ -69,15 +59,6 @@ def timeline(stamps: torch.Tensor) -> dict:
             vals = [since(v) - origin for v in col if v]
         out[name] = (min(vals), statistics.median(vals), max(vals)) if vals else None
     return out
-
-
-def zero_device(pointer: int, nbytes: int) -> None:
-    """Zeroes ``nbytes`` of device memory at ``pointer`` (synchronous)."""
-    from cuda.bindings import driver as cu
-
-    (err,) = cu.cuMemsetD8(pointer, 0, nbytes)
-    if err != cu.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"cuMemsetD8: {err}")
 
 
 def stamped_variant(artifact):
@@ -117,10 +98,13 @@ def run_case(artifact, variant, copies, shape, g, device, routing: str, m: int, 
     grid = variant.launch.grid[0]
     base = pointer + partial_bytes(grid)
     nbytes = grid * len(STAMP_POINTS) * 4
-    zero_device(base, nbytes)
+    driver.zero(device.index, base, nbytes)
     graph.replay()
     torch.cuda.synchronize(device)
-    return timeline(read_device(base, nbytes).view(torch.int32)), grid
+    raw = torch.frombuffer(
+        bytearray(driver.copy_to_host(device.index, base, nbytes)), dtype=torch.int32
+    )
+    return timeline(raw), grid
 
 
 def main(argv=None) -> int:

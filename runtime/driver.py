@@ -2,7 +2,9 @@
 result: a failure raises DriverError naming the call and the CUresult.
 
 Only what the runtime needs: device facts, primary contexts, libraries and
-functions, function attributes, occupancy, raw allocations (workspaces),
+functions, function attributes, occupancy, raw allocations (workspaces)
+and their zeroing and reading back (the diagnostics reader
+``benchmarks/grouped_timeline.py``),
 ``cuLaunchKernelEx``, and the stream-capture queries and user objects that
 tie a captured launch's resources to its graph (runtime.graphs). Devices are CUDA ordinals (torch's ``device.index``).
 """
@@ -10,6 +12,7 @@ tie a captured launch's resources to its graph (runtime.graphs). Devices are CUD
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import threading
 
@@ -211,14 +214,31 @@ def alloc(ordinal: int, nbytes: int, zero: bool) -> int:
         pointer = check(cu.cuMemAlloc(nbytes), f"cuMemAlloc({nbytes})")
         try:
             if zero:
-                _zero(pointer, nbytes)
+                _memset_zero(pointer, nbytes)
         except BaseException:
             cu.cuMemFree(pointer)
             raise
         return int(pointer)
 
 
-def _zero(pointer, nbytes: int) -> None:
+def zero(ordinal: int, pointer: int, nbytes: int) -> None:
+    """Zero-fills ``nbytes`` of device memory at ``pointer`` and waits for it
+    (on a private stream, outside any capture in flight)."""
+    with relaxed_capture(), context(ordinal):
+        _memset_zero(cu.CUdeviceptr(pointer), nbytes)
+
+
+def copy_to_host(ordinal: int, pointer: int, nbytes: int) -> bytes:
+    """``nbytes`` of device memory at ``pointer``, copied to the host
+    (``cuMemcpyDtoH``: synchronous)."""
+    out = (ctypes.c_char * nbytes)()
+    with context(ordinal):
+        check(cu.cuMemcpyDtoH(ctypes.addressof(out), cu.CUdeviceptr(pointer), nbytes),
+              "cuMemcpyDtoH")  # fmt: skip
+    return out.raw
+
+
+def _memset_zero(pointer, nbytes: int) -> None:
     # A private stream: the legacy stream would join a capture in flight.
     flags = cu.CUstream_flags.CU_STREAM_NON_BLOCKING
     stream = check(cu.cuStreamCreate(flags), "cuStreamCreate")

@@ -235,3 +235,43 @@ def test_an_eager_launch_holds_nothing(tmp_path, fake, weights):
     _launch_each(layer, 0)
     assert fake.graph_objects == {}
     assert graphs.holding(lambda owner: owner is layer) == 0
+
+
+def test_zero_and_copy_to_host_move_the_bytes_asked_for(monkeypatch):
+    """``driver.zero`` clears exactly ``nbytes`` at the pointer and waits;
+    ``driver.copy_to_host`` returns exactly ``nbytes`` from the pointer; both
+    inside the device's context (a fake driver over host memory)."""
+    import contextlib
+    import ctypes
+    from types import SimpleNamespace
+
+    from runtime import driver
+
+    memory = (ctypes.c_char * 64)(*range(1, 65))
+    base = ctypes.addressof(memory)
+    entered = []
+    ok = driver.cu.CUresult.CUDA_SUCCESS
+
+    def memset(ptr, value, n, stream):
+        ctypes.memset(int(ptr), value, n)
+        return (ok,)
+
+    def memcpy(dst, src, n):
+        ctypes.memmove(dst, int(src), n)
+        return (ok,)
+
+    fake = SimpleNamespace(
+        CUresult=driver.cu.CUresult, CUstream_flags=driver.cu.CUstream_flags,
+        CUdeviceptr=int, cuMemsetD8Async=memset, cuMemcpyDtoH=memcpy,
+        cuStreamCreate=lambda flags: (ok, "s"), cuStreamSynchronize=lambda s: (ok,),
+        cuStreamDestroy=lambda s: (ok,),
+    )  # fmt: skip
+    monkeypatch.setattr(driver, "cu", fake)
+    monkeypatch.setattr(
+        driver, "context", lambda o: (entered.append(o), contextlib.nullcontext())[1]
+    )
+    monkeypatch.setattr(driver, "relaxed_capture", contextlib.nullcontext)
+    assert driver.copy_to_host(1, base + 4, 3) == bytes([5, 6, 7])
+    driver.zero(1, base + 8, 4)
+    assert driver.copy_to_host(1, base + 6, 8) == bytes([7, 8, 0, 0, 0, 0, 13, 14])
+    assert entered == [1, 1, 1]
