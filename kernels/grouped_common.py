@@ -770,10 +770,11 @@ class GroupedCommon:
                     claim = Int32(ptx.atom_add_release_gpu_u32(jobs + 4, Uint32(self.chunk)))
         for g in cutlass.range_constexpr(self.GATHERERS):
             self.post(t, maps, n + g, Uint32(END))
-        self.stamp(t, "all_posted")
-        self.stamp(t, "fc1_stages", n1)
-        self.stamp(t, "fc2_stages", n - n1)
-        self.stamp(t, "units", t.scal[gp.S_UNITS])
+        if cutlass.const_expr(self.stamps):
+            self.stamp(t, "all_posted")
+            self.stamp(t, "fc1_stages", n1)
+            self.stamp(t, "fc2_stages", n - n1)
+            self.stamp(t, "units", t.scal[gp.S_UNITS])
 
     # -- the gatherers ----------------------------------------------------------------------
 
