@@ -19,10 +19,11 @@ an architecture's epilogue describes its accumulator fragment with a
 
 Shared memory (``grouped_plan.SmemLayout``, from the 1024-aligned dynamic
 base, in address order): ``w`` the weight stages (stages x depth 128 x 128
-FP8 boxes, 128-byte swizzle), ``b`` the B tiles (stages x depth x GROUP
-token rows of 128 K bytes, ``b_chunk``), ``ring`` the column scales
-(``ring_index``: ring stages x depth x GROUP FP32), ``hs`` each gatherer's
-hidden scales [GROUP, I/128], ``amax`` four warps' per-token amax, then the
+FP8 boxes, 128-byte swizzle), ``b`` the B tiles (stages x depth x group
+token rows of 128 K bytes, ``b_chunk``; ``group`` = the plan's tokens of a
+unit), ``ring`` the column scales (``ring_index``: ring stages x depth x
+group FP32), ``hs`` each gatherer's hidden scales [group, I/128], ``amax``
+four warps' per-token amax, then the
 unit tables ``picks`` (ids), ``mask`` (two words per expert, ``mask_slot``),
 ``eoff``, ``uexp``, ``uoff``, ``ucnt``, ``flat``, the scalars ``scal`` (call
 parity and ``grouped_plan.RANGE_SCALARS``), ``desc`` (posts stage words),
@@ -103,7 +104,6 @@ from kernels.abi import (
 from kernels.build_common import compile_entry, launch_named
 from kernels.grouped_plan import (
     END,
-    GROUP,
     S_J2A,
     S_J2B,
     S_N1A,
@@ -207,17 +207,19 @@ class Tables:
     scal = property(lambda t: t._view(t.layout.off_scal, Int32, SCALARS))
     desc = property(lambda t: t._view(t.layout.off_desc, Uint32, t.layout.posts))
     ring = property(
-        lambda t: t._view(t.layout.off_ring, Float32, t.layout.ring * t.layout.depth * GROUP)
+        lambda t: t._view(
+            t.layout.off_ring, Float32, t.layout.ring * t.layout.depth * t.layout.group
+        )
     )
-    amax = property(lambda t: t._view(t.layout.off_amax, Float32, 4 * GROUP))
+    amax = property(lambda t: t._view(t.layout.off_amax, Float32, 4 * t.layout.group))
     weights = property(lambda t: t.base + t.layout.off_w)  # stage s at + s * a_bytes
     tokens = property(lambda t: t.base + t.layout.off_b)  # stage s at + s * b_bytes
 
     ranges = property(lambda t: ScalarRanges(t.scal))
 
     def hs(self, gatherer):
-        """The hidden scales [GROUP, nk2] of gatherer ``gatherer``'s FC2 unit."""
-        size = GROUP * self.plan.nk2
+        """The hidden scales [group, nk2] of gatherer ``gatherer``'s FC2 unit."""
+        size = self.layout.group * self.plan.nk2
         return view(self.base + self.layout.off_hs + gatherer * (size * 4), Float32, size)
 
     def _bar(self, index):
@@ -279,11 +281,12 @@ class Fragment:
 @dataclass(frozen=True)
 class RowFragment(Fragment):
     """One logical row per thread (thread e holds physical row e), every
-    token: the tcgen05 ``32x32b`` TMEM load layout."""
+    token of the unit (``slots`` = the plan's ``group``): the tcgen05
+    ``32x32b`` TMEM load layout."""
 
     e: object  # Int32: thread in the epilogue group
     logical: object  # Int32: its logical row
-    slots = GROUP
+    slots: int  # tokens of a unit
     rows = 1
     paired = False
     shuffles = (1, 2, 4, 8, 16)
@@ -334,6 +337,7 @@ class GroupedCommon:
         self.depth = plan.depth  # K blocks (weight boxes) of one stage
         self.routes, self.shared_units = plan.routes, plan.shared_units
         self.max_units, self.chunk = plan.max_units, plan.chunk
+        self.group = plan.group  # tokens of a unit (B-tile rows, the MMA's N)
         self.counters = plan.counters
         self.stages, self.posts = layout.stages, layout.posts
         #: A diagnostics build (``grouped_plan.STAMPS_ENV``): ``stamp`` writes.
@@ -566,6 +570,9 @@ class GroupedCommon:
                 self.quantize(x, plan_x, plan_s, cta, tid - self.EPILOGUE_WARP * 32)
             ptx.fence_acq_rel_gpu()
         cute.arch.sync_threads()
+        if cutlass.const_expr(self.stamps):
+            if cta < self.tokens:
+                self.stamp_thread0(t, tid, gp.STAMP_POINTS.index("routed"))
         parity = scal[S_PARITY]
         mine = self.parity_block(counters, parity)
         other = self.parity_block(counters, 1 - parity)
@@ -586,9 +593,10 @@ class GroupedCommon:
     @cute.jit
     def number_units(self, t: Tables, ids: Int64, tid: Int32, warp: Int32, lane: Int32,
                      cta: Int32):  # fmt: skip
-        """Unit tables: the shared expert's units (tokens 0..15, 16..31, ...),
-        then the routed experts in expert order, each expert's routes in token
-        order, one unit per started GROUP; and this CTA's stage ranges. Warp 0
+        """Unit tables: the shared expert's units (tokens 0..group-1, group..,
+        ...), then the routed experts in expert order, each expert's routes in
+        token order, one unit per started ``group``; and this CTA's stage
+        ranges. Warp 0
         (the producer) goes on once the tables are written; the other warps
         also rank the routes into ``flat`` (named barrier BAR_RANKED)."""
         experts, routes = self.experts, self.routes
@@ -613,7 +621,7 @@ class GroupedCommon:
                 e = lane * per + j
                 counts[j] = Int32(cute.arch.popc(mask[2 * e]) + cute.arch.popc(mask[2 * e + 1]))
                 count = count + counts[j]
-                distinct = distinct + gp.units_of(counts[j])
+                distinct = distinct + gp.units_of(counts[j], self.group)
             units = distinct
             routed = count
             for shift in cutlass.range_constexpr(5):
@@ -628,17 +636,17 @@ class GroupedCommon:
                 e = lane * per + j
                 n = counts[j]
                 eoff[e] = start
-                # Experts of more than GROUP tokens run as several units.
-                for i in cutlass.range(0, n, GROUP, unroll=1):
+                # Experts of more than ``group`` tokens run as several units.
+                for i in cutlass.range(0, n, self.group, unroll=1):
                     uexp[unit] = e
                     uoff[unit] = start + i
-                    ucnt[unit] = gp.unit_size(n, i, cutlass.min)
+                    ucnt[unit] = gp.unit_size(n, i, self.group, cutlass.min)
                     unit = unit + 1
                 start = start + n
             if lane < self.shared_units:
                 uexp[lane] = Int32(-1)
-                uoff[lane] = lane * GROUP
-                ucnt[lane] = gp.unit_size(self.tokens, lane * GROUP, cutlass.min)
+                uoff[lane] = lane * self.group
+                ucnt[lane] = gp.unit_size(self.tokens, lane * self.group, self.group, cutlass.min)
             if lane == 31:
                 uoff[units + self.shared_units] = start
                 self.ranges(t, units + self.shared_units, cta)
@@ -789,7 +797,7 @@ class GroupedCommon:
         scale times the token's activation or hidden scale) into the scale
         ring. Columns past the unit's tokens are left stale: their results are
         computed and never stored."""
-        w = GROUP
+        w = self.group
         hs = t.hs(gatherer)
         ring, desc, flat, ucnt, uoff = t.ring, t.desc, t.flat, t.ucnt, t.uoff
         chunks = w * 8 // 32
@@ -868,7 +876,8 @@ class GroupedCommon:
                         c = i % 8
                         for d in cutlass.range_constexpr(self.depth):
                             ptx.cp_async_cg_16(
-                                dst + gp.b_chunk(d, j, c), rows[k] + (kb + d) * TILE + c * 16
+                                dst + gp.b_chunk(self.layout, d, j, c),
+                                rows[k] + (kb + d) * TILE + c * 16,
                             )
                 for d in cutlass.range_constexpr(self.depth):
                     w_d = cute.arch.shuffle_sync(ws, d)
@@ -948,10 +957,10 @@ class GroupedCommon:
     def finish(self, t: Tables, frag: Fragment, up, gate, unit, pair, count, e: Int32,
                hidden: Int64, hscale: Int64, unit_ready: Int64):  # fmt: skip
         """Clamped SwiGLU of hidden block ``pair``, FP8 per 128 per token
-        (scale amax / 448), published for FC2: codes [unit, GROUP, I], scales
-        [unit, GROUP, I/128], then one release on the unit's counter. Columns
+        (scale amax / 448), published for FC2: codes [unit, group, I], scales
+        [unit, group, I/128], then one release on the unit's counter. Columns
         past ``count`` are computed, never stored."""
-        w = GROUP
+        w = self.group
         amax_smem = t.amax
         for v in cutlass.range_constexpr(frag.values):
             up[v] = mc.swiglu(gate[v], up[v], self.limit)

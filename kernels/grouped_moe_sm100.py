@@ -29,7 +29,7 @@ The MMA warp, stage n: waits full[n % stages] (parity (n // stages) % 2),
 reads the stage word, and for n >= slots waits acc_empty[n % slots] (parity
 (n // slots - 1) % 2); then ``fence.proxy.async`` (the B rows are cp.async
 writes), one elected lane issues the stage's ``depth`` K blocks, each a K = 128 FP8 UMMA
-(M = 128 weight rows, N = GROUP tokens) into columns ``d * GROUP`` of the
+(M = 128 weight rows, N = the plan's ``group`` tokens) into columns ``d * group`` of the
 slot, and commits the weight stage to empty[n % stages] and the slot to
 acc_full[n % slots]. So the MMA runs up to ``slots`` stages ahead of the
 epilogue, which is why the scale ring and the stage words outlive the
@@ -81,8 +81,8 @@ TMEM_COLUMNS = 512
 
 
 def columns_of(plan: gp.GroupedPlan) -> int:
-    """TMEM columns of one stage's accumulators (GROUP per K block)."""
-    return plan.depth * gp.GROUP
+    """TMEM columns of one stage's accumulators (``group`` per K block)."""
+    return plan.depth * plan.group
 
 
 def slots_of(plan: gp.GroupedPlan) -> int:
@@ -91,9 +91,10 @@ def slots_of(plan: gp.GroupedPlan) -> int:
     return min(32, TMEM_COLUMNS // columns_of(plan))
 
 
-#: UMMA instruction descriptor: E4M3 x E4M3 -> F32, M = 128 weight rows, N =
-#: GROUP tokens.
-IDESC = tc.instruction_desc_e4m3(TILE, gp.GROUP)
+def idesc_of(plan: gp.GroupedPlan) -> int:
+    """UMMA instruction descriptor: E4M3 x E4M3 -> F32, M = 128 weight rows, N
+    = the plan's ``group`` tokens."""
+    return tc.instruction_desc_e4m3(TILE, plan.group)
 
 
 def layout_of(plan: gp.GroupedPlan) -> gp.SmemLayout:
@@ -211,11 +212,12 @@ class GroupedKernel(GroupedCommon):
     @cute.jit
     def issue(self, t: Tables, tmem: Int32, lane: Int32):
         """Warp 1: stage n's ``depth`` K blocks into accumulator slot n % slots
-        (K block d in columns ``d * GROUP`` of the slot, each overwritten by
+        (K block d in columns ``d * group`` of the slot, each overwritten by
         its first UMMA), the weight stage committed to its empty barrier and
         the slot to ``acc_full``; END is passed on to the epilogue."""
         lay = self.layout
-        w = gp.GROUP
+        w = self.group
+        idesc = idesc_of(self.plan)
         adesc = tc.smem_desc_sw128(t.weights)
         bdesc = tc.smem_desc_sw128(t.tokens)
         n = Int32(0)
@@ -239,7 +241,7 @@ class GroupedKernel(GroupedCommon):
                     with cute.arch.elect_one():
                         tc.umma_k128(
                             tmem + acc * self.columns + d * w, adesc + Int64(a_off >> 4),
-                            bdesc + Int64(b_off >> 4), Int32(IDESC), Int32(0),
+                            bdesc + Int64(b_off >> 4), Int32(idesc), Int32(0),
                         )  # fmt: skip
                 tc.commit_elected(t.empty(slot))
                 cute.arch.sync_warp()
@@ -257,10 +259,10 @@ class GroupedKernel(GroupedCommon):
         scaled by the ring's column scales and summed into the up or gate
         accumulators of the current piece; a piece's last stage closes an FC1
         pair or stores an FC2 job's rows."""
-        w = gp.GROUP
+        w = self.group
         quadrant = warp % 4
         logical = mc.logical_row(rows, e)  # this thread's output row of every row tile
-        frag = RowFragment(e, logical)
+        frag = RowFragment(e, logical, w)
         lanes = tmem + (Int32(quadrant * 32) << 16)
         up = cute.make_rmem_tensor(cute.make_layout((w,)), Float32)
         gate = cute.make_rmem_tensor(cute.make_layout((w,)), Float32)
@@ -311,5 +313,6 @@ def compile_kernel(spec: KernelSpec) -> CompiledKernel:
     """Compiles one grouped variant for sm_100a (no GPU needed; the process
     must have been started for sm_100a, see ``kernels.registry``)."""
     check_spec(spec, ARCH, __name__)
-    return compile_grouped(GroupedKernel(spec), ENTRY_PREFIX, tmem_columns=TMEM_COLUMNS,
-                           idesc=f"{IDESC:#010x}")  # fmt: skip
+    kernel = GroupedKernel(spec)
+    return compile_grouped(kernel, ENTRY_PREFIX, tmem_columns=TMEM_COLUMNS,
+                           idesc=f"{idesc_of(kernel.plan):#010x}")  # fmt: skip

@@ -25,9 +25,10 @@ accumulator slots (``SmemLayout.slots`` = 0: no acc_full / acc_empty).
 
 The consumer, stage n: waits full[n % stages] (parity (n // stages) % 2),
 reads the stage word, ``fence.proxy.async`` (the B rows are cp.async
-writes), issues ``wgmma.mma_async m64n16k32`` FP8 (weights = A, 128 rows as
-two m64 halves; the unit's 16 tokens = B, N = 16), four k32 steps per K
-block, each K block into its own accumulator set (2 K blocks x 2 halves x 8
+writes), issues ``wgmma.mma_async m64nNk32`` FP8 (weights = A, 128 rows as
+two m64 halves; the unit's ``group`` tokens = B, N = group: 16, or 32 above
+16 tokens, ``grouped_plan.UNIT_TOKENS``), four k32 steps per K block, each K
+block into its own accumulator set (depth K blocks x 2 halves x N / 2
 registers), ``wgmma.commit_group`` + ``wait_group 0``; reads the column
 scales, arrives on empty[n % stages], then applies the non-power-of-two
 block scales (weight block scale x the token's activation or hidden scale)
@@ -71,7 +72,7 @@ from kernels.grouped_common import (
 from kernels.grouped_common import PARAMS as PARAMS
 from kernels.grouped_common import TENSOR_MAPS as TENSOR_MAPS
 from kernels.grouped_common import workspaces as workspaces
-from kernels.grouped_plan import END, GROUP, STAGE_BYTES, GroupedPlan
+from kernels.grouped_plan import END, STAGE_BYTES, GroupedPlan
 from kernels.ptx import wgmma
 from kernels.spec import CompiledKernel, KernelSpec
 from runtime.constants import TILE
@@ -81,18 +82,18 @@ ARCH = "sm_90a"
 GATHERERS = 3  # warps 1-3
 MMA_WARP = 4  # first warp of the MMA warpgroup (a multiple of 4)
 HALVES = TILE // 64  # m64 instructions per 128-row tile
-ACC = GROUP // 2  # FP32 accumulator registers of one m64n16 instruction
 K32 = TILE // 32  # k32 steps of one K block
 
 
 @dataclass(frozen=True)
 class Sm90Fragment(Fragment):
-    """The ``m64n16`` accumulator fragment over a 128-row tile: token slot s =
-    (j, c) holds token 8 j + 2 (l % 4) + c; row slot r = (h, p) holds logical
-    row 64 h + 16 w + 2 (l // 4) + p; register ``8 h + 4 j + 2 p + c``."""
+    """The ``m64nNk32`` accumulator fragment over a 128-row tile (N = 4 *
+    ``slots`` tokens, N / 2 registers per m64 half): token slot s = (j, c)
+    holds token 8 j + 2 (l % 4) + c; row slot r = (h, p) holds logical row
+    64 h + 16 w + 2 (l // 4) + p; register ``(N / 2) h + 4 j + 2 p + c``."""
 
     e: object  # Int32: thread in the MMA warpgroup
-    slots = 4
+    slots: int  # N / 4: the unit's tokens over the four lanes of a row
     rows = HALVES * 2
     paired = True
     shuffles = (4, 8, 16)
@@ -102,7 +103,7 @@ class Sm90Fragment(Fragment):
     scale_writer = property(lambda f: f.e < 4)
 
     def index(self, s, r):
-        return (r // 2) * 8 + (s // 2) * 4 + (r % 2) * 2 + (s % 2)
+        return (r // 2) * (2 * self.slots) + (s // 2) * 4 + (r % 2) * 2 + (s % 2)
 
     def token(self, s):
         return 8 * (s // 2) + 2 * (self.e % 4) + (s % 2)
@@ -214,7 +215,7 @@ class GroupedMoeSm90(GroupedCommon):
                 hidden: Int64, hscale: Int64, partial: Int64, mine: Int64):  # fmt: skip
         """The MMA warpgroup: every stage's wgmma chain, its scaled sum into
         the running up / gate (FC1) or output (FC2) values, and the closes."""
-        frag = Sm90Fragment(e)
+        frag = Sm90Fragment(e, self.group // 4)
         v = frag.values
         up = cute.make_rmem_tensor(cute.make_layout((v,)), Float32)
         gate = cute.make_rmem_tensor(cute.make_layout((v,)), Float32)
@@ -290,21 +291,22 @@ class GroupedMoeSm90(GroupedCommon):
         """One stage's wgmma chain: K block d of the weights (A, two m64
         halves) times the unit's B tile of K block d into accumulator set d,
         then commit and wait (the stage's shared memory is free after it)."""
-        v = 2 * ACC
+        acc_regs = self.group // 2  # FP32 accumulators of one m64nNk32 instruction
+        v = HALVES * acc_regs
         a_stage = a_desc + Int64((slot * self.layout.a_bytes) >> 4)
         b_stage = b_desc + Int64((slot * self.layout.b_bytes) >> 4)
         wgmma.wgmma_fence()
         for d in cutlass.range_constexpr(self.depth):
             for h in cutlass.range_constexpr(HALVES):
-                acc = [parts[d * v + h * ACC + i] for i in range(ACC)]
+                acc = [parts[d * v + h * acc_regs + i] for i in range(acc_regs)]
                 a = a_stage + (d * STAGE_BYTES + h * 64 * TILE) // 16
-                b = b_stage + (d * GROUP * TILE) // 16
+                b = b_stage + (d * self.group * TILE) // 16
                 for k in cutlass.range_constexpr(K32):
                     acc = wgmma.wgmma_e4m3(
                         acc, a + k * wgmma.DESC_K32, b + k * wgmma.DESC_K32, k > 0
                     )
-                for i in cutlass.range_constexpr(ACC):
-                    parts[d * v + h * ACC + i] = acc[i]
+                for i in cutlass.range_constexpr(acc_regs):
+                    parts[d * v + h * acc_regs + i] = acc[i]
         wgmma.wgmma_commit()
         wgmma.wgmma_wait(0)
         done = wgmma.fence_operands([parts[i] for i in range(self.depth * v)])

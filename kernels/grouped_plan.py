@@ -1,9 +1,10 @@
 """The grouped kernel's plan and formulas (pure Python: no cutlass, no torch).
 
 The grouped kernel (one persistent CTA per SM) cuts one call's work into
-*units*: up to ``GROUP`` tokens of one expert, the shared expert's units first
-(tokens 0..15, 16..31, ...), then every routed expert in expert order, its
-routes in token order, one unit per started ``GROUP`` of routes. Weights move
+*units*: up to ``group`` tokens of one expert (``unit_group``: the MMA's N
+side), the shared expert's units first (tokens 0..group-1, group.., ...),
+then every routed expert in expert order, its routes in token order, one
+unit per started ``group`` of routes. Weights move
 in *stages* of ``depth`` K blocks (128 x 128 FP8 boxes) of one row tile
 (``DEPTH``, or 1 for a shape with an odd number of K blocks: ``stage_depth``):
 
@@ -45,7 +46,19 @@ from kernels.spec import Workspace
 from runtime.constants import MAX_TOKENS, SMEM_LIMIT, TILE
 from runtime.constants import SMEM_OPTIN as SMEM_OPTIN  # re-exported for its readers
 
-GROUP = 16  # tokens of a unit: the MMA N side
+#: Tokens of a unit (the MMA's N side) per architecture: (calls of up to 16
+#: tokens, larger calls). A unit's weights stream from HBM once per unit, so
+#: an expert of more routes than ``group`` streams its weights once per
+#: started group (the shared expert too, ceil(M / group) times). sm_90a's
+#: wgmma takes N = 32 within the MMA warpgroup's registers (up and gate of 32
+#: tokens plus two K blocks' partials: 128 FP32 a thread); its gatherers map
+#: one token to a lane, so at most 32. sm_100a keeps the seed's 16.
+#: Measurements: docs/notes/grouped-sm90.md ("Unit width"). Any other arch:
+#: sm_100a's.
+UNIT_TOKENS = {"sm_90a": (16, 32), "sm_100a": (16, 16)}
+#: Every unit width a plan can have: the model-wide workspaces and counters
+#: are sized for all of them (every bucket of a model shares one set).
+GROUPS = tuple(sorted({g for widths in UNIT_TOKENS.values() for g in widths}))
 DEPTH = 2  # K blocks of a weight stage (when both K extents divide by it)
 SPLIT_UNITS = 40  # above this many units, halves A and B
 STAGE_BYTES = TILE * TILE  # one FP8 128 x 128 box
@@ -65,13 +78,14 @@ WAIT_TIMEOUT_NS = 10_000_000_000
 #: Unset (every release build), the kernels' code is unchanged.
 STAMPS_ENV = "MOE_BUILD_STAMPS"
 #: Per CTA, in this order (word index = position): times of thread 0 at entry,
-#: after the PDL wait and once every token is planned; the producer's start
+#: after the PDL wait, once its own token is routed and quantized (CTAs below
+#: M only) and once every token is planned; the producer's start
 #: (unit tables done), end of its FC1 posts and of all posts; the MMA
 #: consumer's first full stage, its last FC1 stage done, its first FC2 stage
 #: full and its END; a gatherer's first FC2 unit ready; thread 0 after the
 #: finalize's wait and at exit; then counts: FC1 stages, FC2 stages, units.
 STAMP_POINTS = (
-    "entry", "pdl_wait", "tokens_ready", "tables", "fc1_posted", "all_posted",
+    "entry", "pdl_wait", "routed", "tokens_ready", "tables", "fc1_posted", "all_posted",
     "first_full", "fc1_done", "first_fc2", "consumer_end", "fc2_ready", "finished", "exit",
     "fc1_stages", "fc2_stages", "units",
 )  # fmt: skip
@@ -84,10 +98,17 @@ def stamps_enabled(environ=None) -> bool:
     return (os.environ if environ is None else environ).get(STAMPS_ENV, "") == "1"
 
 
+def unit_group(tokens: int, arch: str = "") -> int:
+    """Tokens of a unit in a ``tokens``-token variant for ``arch``
+    (``UNIT_TOKENS``)."""
+    small, large = UNIT_TOKENS.get(arch, UNIT_TOKENS["sm_100a"])
+    return small if tokens <= 16 else large
+
+
 def partial_bytes(grid: int) -> int:
     """Bytes of the FC1 partials: one piece per CTA and half, each two sets
-    (up, gate) of GROUP x TILE FP32."""
-    return 2 * grid * 2 * GROUP * TILE * 4
+    (up, gate) of group x TILE FP32, for the widest unit (``GROUPS``)."""
+    return 2 * grid * 2 * max(GROUPS) * TILE * 4
 
 
 def stamp_offset(grid: int, cta, point: int):
@@ -123,15 +144,17 @@ def stage_bounds(depth: int) -> tuple[int, int]:
     return MAX_STAGES * DEPTH // depth, MIN_STAGES * DEPTH // depth
 
 
-def unit_capacity(experts: int, top_k: int, tokens: int = MAX_TOKENS, group: int = GROUP) -> int:
+def unit_capacity(experts: int, top_k: int, tokens: int = MAX_TOKENS, group: int = 0) -> int:
     """Most units a call of ``tokens`` tokens can have (any routing), with
-    units of ``group`` tokens.
+    units of ``group`` tokens (0: the narrowest of ``GROUPS``, the most units
+    any plan has).
 
-    The shared expert has ceil(tokens / GROUP) units. Routed units: an
+    The shared expert has ceil(tokens / group) units. Routed units: an
     expert's first route opens a unit (one unit per route while experts
-    last), every further unit costs GROUP more routes of one expert, and an
-    expert holds at most ``tokens`` routes (each token picks distinct experts),
-    so at most ceil(tokens / GROUP) units."""
+    last), every further unit costs ``group`` more routes of one expert, and
+    an expert holds at most ``tokens`` routes (each token picks distinct
+    experts), so at most ceil(tokens / group) units."""
+    group = group or min(GROUPS)
     routes = tokens * top_k
     first = min(routes, experts)
     more = min((routes - first) // group, experts * (ceil_div(tokens, group) - 1))
@@ -205,6 +228,13 @@ class Counters:
         return 2 * self.words + 1
 
 
+def hidden_rows(experts: int, top_k: int) -> int:
+    """Rows of the ``hidden`` workspace (and of ``hscale``): unit u's token j
+    is row u * group + j, so the most units times the width, over every width
+    a model's buckets can have (``GROUPS``)."""
+    return max(unit_capacity(experts, top_k, MAX_TOKENS, g) * g for g in GROUPS)
+
+
 def counter_words(experts: int, top_k: int, pairs: int) -> int:
     """Counters of one call parity: ready tokens, pair arrivals, unit
     readiness, the next FC2 job of halves A and B, finished CTAs."""
@@ -237,7 +267,8 @@ class GroupedPlan:
     #: 1: the shared expert's units run first; 0: routed units only (the
     #: capacities below stay sized for one, an upper bound).
     shared_experts: int = 1
-    #: The target architecture (only ``chunk`` depends on it); "" in a shape check.
+    #: The target architecture (``group`` and ``chunk`` depend on it); "" in a
+    #: shape check.
     arch: str = ""
 
     def __post_init__(self):
@@ -259,8 +290,11 @@ class GroupedPlan:
     unit1 = property(lambda self: self.pairs * self.span)  # FC1 stages of a unit
     job = property(lambda self: self.nk2 // self.depth)  # FC2 stages of a job
     routes = property(lambda self: self.tokens * self.top_k)
-    shared_units = property(lambda self: ceil_div(self.tokens, GROUP) * self.shared_experts)
-    max_units = property(lambda self: unit_capacity(self.experts, self.top_k, self.tokens))
+    group = property(lambda self: unit_group(self.tokens, self.arch))  # tokens of a unit
+    shared_units = property(lambda self: ceil_div(self.tokens, self.group) * self.shared_experts)
+    max_units = property(
+        lambda self: unit_capacity(self.experts, self.top_k, self.tokens, self.group)
+    )
     chunk = property(lambda self: chunk_jobs(self.tokens, self.arch))
     counters = property(lambda self: counters(self.experts, self.top_k, self.pairs))
 
@@ -297,14 +331,13 @@ def workspaces(
     buffers: quantized tokens, their scales, hidden blocks and scales of every
     unit, FC1 partials (one per CTA and half; a diagnostics build's stamps
     after them) and the parity counters."""
-    units = unit_capacity(experts, top_k)
     stamp_bytes = grid * len(STAMP_POINTS) * 4 if stamps else 0
     nk1, nk2 = hidden // TILE, inter // TILE
     return (
         Workspace("plan_x", MAX_TOKENS * hidden),
         Workspace("plan_s", MAX_TOKENS * nk1 * 4),
-        Workspace("hidden", units * GROUP * inter),
-        Workspace("hscale", units * GROUP * nk2 * 4),
+        Workspace("hidden", hidden_rows(experts, top_k) * inter),
+        Workspace("hscale", hidden_rows(experts, top_k) * nk2 * 4),
         Workspace("partial", partial_bytes(grid) + stamp_bytes),
         Workspace("counters", counters(experts, top_k, nk2).total * 4, zero=True),
     )
@@ -318,8 +351,9 @@ class SmemLayout:
     """Byte offsets in one CTA's dynamic shared memory (base 1024-aligned).
 
     ``slots``: accumulator slots between MMA issue and epilogue (TMEM on
-    sm_100a; 0 on sm_90a, where the MMA warpgroup is the epilogue). Rings:
-    ``ring`` stages of column scales (``depth`` * GROUP floats each), ``posts``
+    sm_100a; 0 on sm_90a, where the MMA warpgroup is the epilogue). ``group``:
+    the plan's tokens of a unit (B-tile rows). Rings: ``ring`` stages of
+    column scales (``depth`` * ``group`` floats each), ``posts``
     stage words; barriers: full[stages], empty[stages], acc_full[slots],
     acc_empty[slots], posted[posts]. ``placed``: the regions as the shared
     builder (``kernels.smem.Regions``) placed them."""
@@ -328,6 +362,7 @@ class SmemLayout:
     slots: int
     gatherers: int
     depth: int  # K blocks (boxes) of one stage: the plan's
+    group: int  # tokens of a unit: the plan's
     ring: int
     posts: int
     bars: int
@@ -374,7 +409,7 @@ SCALARS = 16
 
 def smem_layout(plan: GroupedPlan, stages: int, gatherers: int, slots: int = 0) -> SmemLayout:
     """The shared-memory layout at ``stages`` weight stages."""
-    w, depth = GROUP, plan.depth
+    w, depth = plan.group, plan.depth
     a_bytes = depth * STAGE_BYTES
     b_bytes = depth * w * TILE
     # The scale ring and stage words are read up to ``stages + slots`` stages
@@ -401,7 +436,8 @@ def smem_layout(plan: GroupedPlan, stages: int, gatherers: int, slots: int = 0) 
     r.take("bar", bars * 8, 8)
     r.take("tmem", 16)
     return SmemLayout(
-        stages=stages, slots=slots, gatherers=gatherers, depth=depth, ring=ring, posts=posts,
+        stages=stages, slots=slots, gatherers=gatherers, depth=depth, group=w, ring=ring,
+        posts=posts,
         bars=bars,
         a_bytes=a_bytes, b_bytes=b_bytes, total=ceil_div(r.end, 1024) * 1024, placed=r,
         **{"off_" + k: v for k, v in r.offsets.items()},
@@ -426,14 +462,14 @@ def ring_index(layout: SmemLayout, n, d: int, token):
     """Float index in the scale ring of the column scale of K block ``d``,
     token ``token`` of stage ``n`` (the gatherers write it, the MMA consumer
     or epilogue reads it)."""
-    return (n % layout.ring) * (layout.depth * GROUP) + d * GROUP + token
+    return (n % layout.ring) * (layout.depth * layout.group) + d * layout.group + token
 
 
-def b_chunk(d: int, row, chunk):
+def b_chunk(layout: SmemLayout, d: int, row, chunk):
     """Byte offset, within a stage's B tile, of 16-byte chunk ``chunk`` of
-    token row ``row`` of K block ``d`` (``depth`` tiles of GROUP rows x 128 K
-    bytes; 128-byte swizzle: chunk c of row r is stored at c ^ (r % 8))."""
-    return (d * GROUP + row) * TILE + (chunk ^ (row % 8)) * 16
+    token row ``row`` of K block ``d`` (``depth`` tiles of ``group`` rows x
+    128 K bytes; 128-byte swizzle: chunk c of row r is stored at c ^ (r % 8))."""
+    return (d * layout.group + row) * TILE + (chunk ^ (row % 8)) * 16
 
 
 # -- formulas the kernels run (Python or DSL integers) --------------------------------------
@@ -461,15 +497,15 @@ def _word(value) -> int:
 # Unit numbering -----------------------------------------------------------------------------
 
 
-def units_of(routes):
-    """Units of an expert with ``routes`` routes (one per started GROUP)."""
-    return (routes + GROUP - 1) // GROUP
+def units_of(routes, group: int):
+    """Units of an expert with ``routes`` routes (one per started ``group``)."""
+    return (routes + group - 1) // group
 
 
-def unit_size(count, first, minimum=min):
+def unit_size(count, first, group: int, minimum=min):
     """Tokens of the unit that starts at the ``first``-th of ``count`` routes
-    (or tokens, for the shared expert)."""
-    return minimum(count - first, GROUP)
+    (or tokens, for the shared expert), in units of ``group`` tokens."""
+    return minimum(count - first, group)
 
 
 def mask_slot(expert, token):
@@ -741,16 +777,17 @@ def number_units(plan: GroupedPlan, ids: list[list[int]]) -> Units:
         word, bit = mask_slot(ids[r // k][r % k], r // k)
         mask[word] |= 1 << bit
     counts = [mask[2 * e].bit_count() + mask[2 * e + 1].bit_count() for e in range(experts)]
-    units = plan.shared_units + sum(units_of(n) for n in counts)
+    g = plan.group
+    units = plan.shared_units + sum(units_of(n, g) for n in counts)
     uexp, uoff, ucnt = [0] * units, [0] * (units + 1), [0] * units
     for i in range(plan.shared_units):
-        uexp[i], uoff[i], ucnt[i] = -1, i * GROUP, unit_size(tokens, i * GROUP)
+        uexp[i], uoff[i], ucnt[i] = -1, i * g, unit_size(tokens, i * g, g)
     flat, eoff = list(range(tokens)) + [-1] * plan.routes, []
     unit, start = plan.shared_units, tokens
     for e in range(experts):
         eoff.append(start)
-        for i in range(0, counts[e], GROUP):
-            uexp[unit], uoff[unit], ucnt[unit] = e, start + i, unit_size(counts[e], i)
+        for i in range(0, counts[e], g):
+            uexp[unit], uoff[unit], ucnt[unit] = e, start + i, unit_size(counts[e], i, g)
             unit += 1
         start += counts[e]
     uoff[units] = start

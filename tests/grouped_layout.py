@@ -22,14 +22,14 @@ BASE_ALIGN = 1024
 
 def needed_bytes(layout: gp.SmemLayout, plan: gp.GroupedPlan) -> dict[str, int]:
     """Region -> the bytes its users touch."""
-    w, f32 = gp.GROUP, 4
+    w, f32 = plan.group, 4
     return {
         # A stage: depth 128 x 128 FP8 weight boxes, and depth token tiles of
-        # GROUP rows x 128 K bytes.
+        # group rows x 128 K bytes.
         "w": layout.stages * layout.a_bytes,
         "b": layout.stages * layout.b_bytes,
         "ring": layout.ring * plan.depth * w * f32,  # column scales of a stage
-        "hs": layout.gatherers * w * plan.nk2 * f32,  # each gatherer's [GROUP, nk2]
+        "hs": layout.gatherers * w * plan.nk2 * f32,  # each gatherer's [group, nk2]
         "amax": 4 * w * f32,  # four warps' per-token amax
         "picks": plan.routes * 4,
         "mask": 2 * plan.experts * 4,  # uint32 pairs: 64 bits per expert
@@ -53,11 +53,13 @@ def layout_problems(layout: gp.SmemLayout, plan: gp.GroupedPlan, limit: int) -> 
     names = [name for name, _, _ in regions]
     if sorted(names) != sorted(need):
         problems.append(f"regions {names}, expected {sorted(need)}")
+    if layout.group != plan.group:
+        problems.append(f"B tiles of {layout.group} tokens, the plan's units hold {plan.group}")
     if layout.depth != plan.depth:
         problems.append(f"stages of {layout.depth} K blocks, the plan's are {plan.depth}")
     if layout.a_bytes < plan.depth * TILE * TILE or layout.a_bytes % BASE_ALIGN:
         problems.append(f"a weight stage of {layout.a_bytes} B (depth boxes, 1024-aligned)")
-    if layout.b_bytes < plan.depth * gp.GROUP * TILE or layout.b_bytes % BASE_ALIGN:
+    if layout.b_bytes < plan.depth * plan.group * TILE or layout.b_bytes % BASE_ALIGN:
         problems.append(f"a token stage of {layout.b_bytes} B (depth tiles, 1024-aligned)")
     if layout.bars * 8 != need["bar"]:
         problems.append(f"{layout.bars} barriers, the device indexes {need['bar'] // 8}")

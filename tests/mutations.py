@@ -87,8 +87,8 @@ MUTATIONS = (
     ),
     Mutation(
         "partial-workspace-halved", "kernels/grouped_plan.py",
-        "return 2 * grid * 2 * GROUP * TILE * 4",
-        "return grid * 2 * GROUP * TILE * 4",
+        "return 2 * grid * 2 * max(GROUPS) * TILE * 4",
+        "return grid * 2 * max(GROUPS) * TILE * 4",
         ("tests/test_grouped_plan.py::test_partial_workspace_holds_every_published_partial",),
     ),
     Mutation(
@@ -280,20 +280,20 @@ MUTATIONS = (
     ),
     Mutation(
         "grouped-units-of-floor", "kernels/grouped_plan.py",
-        "return (routes + GROUP - 1) // GROUP",
-        "return routes // GROUP",
+        "return (routes + group - 1) // group",
+        "return routes // group",
         ("tests/test_grouped_plan.py::test_number_units",),
     ),
     Mutation(
         "grouped-unit-size-short", "kernels/grouped_plan.py",
-        "return minimum(count - first, GROUP)",
-        "return minimum(count - first, GROUP - 1)",
+        "return minimum(count - first, group)",
+        "return minimum(count - first, group - 1)",
         ("tests/test_grouped_plan.py::test_number_units",),
     ),
     Mutation(
         "grouped-ring-index-wraps-at-stages", "kernels/grouped_plan.py",
-        "return (n % layout.ring) * (layout.depth * GROUP)",
-        "return (n % layout.stages) * (layout.depth * GROUP)",
+        "return (n % layout.ring) * (layout.depth * layout.group)",
+        "return (n % layout.stages) * (layout.depth * layout.group)",
         ("tests/test_grouped_plan.py::test_scale_ring_entries_live_a_whole_ring",),
     ),
     Mutation(

@@ -527,8 +527,10 @@ def test_grouped_timeline_reads_stamps_across_a_timer_wrap():
     signed = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
     got = timeline(signed)
     assert got["entry"] == pytest.approx((0.0, 0.1, 0.2))
-    assert got["exit"] == pytest.approx((12.0, 12.1, 12.2))
-    assert got["fc2_ready"] == pytest.approx((10.1, 10.15, 10.2))
+    at = {name: float(i) for i, name in enumerate(STAMP_POINTS)}  # us: 1000 ns a point
+    assert got["exit"] == pytest.approx((at["exit"], at["exit"] + 0.1, at["exit"] + 0.2))
+    fc2 = at["fc2_ready"]
+    assert got["fc2_ready"] == pytest.approx((fc2 + 0.1, fc2 + 0.15, fc2 + 0.2))
     assert got["units"] == (10, 11, 12)
     assert got["finished"] is None
     assert all(

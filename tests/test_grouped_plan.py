@@ -57,29 +57,49 @@ def test_unit_capacity_is_the_max_over_routings(group, experts, top_k, tokens):
     assert gp.unit_capacity(experts, top_k, tokens, group) == gp.ceil_div(tokens, group) + best
 
 
+ARCHS = sorted(gp.UNIT_TOKENS)
+
+
+def test_unit_widths():
+    """Units of 16 tokens up to 16 tokens a call; above, sm_90a's hold 32
+    (wgmma N = 32) and sm_100a's 16. Every width is a multiple of 16 (the
+    MMAs' N steps) and at most 32 (a gatherer lane per token); ``GROUPS``
+    lists each width once."""
+    assert gp.GroupedPlan(**GLM5, tokens=16, grid=132, arch="sm_90a").group == 16
+    assert gp.GroupedPlan(**GLM5, tokens=17, grid=132, arch="sm_90a").group == 32
+    assert gp.GroupedPlan(**GLM5, tokens=64, grid=132, arch="sm_100a").group == 16
+    assert gp.unit_group(64, "sm_120a") == gp.unit_group(64, "sm_100a")  # unknown arch
+    widths = {g for pair in gp.UNIT_TOKENS.values() for g in pair}
+    assert sorted(widths) == list(gp.GROUPS)
+    assert all(g % 16 == 0 and g <= 32 for g in widths)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("tokens", [8, 16, 17, 32, 48, 64])
-def test_unit_capacity_is_reached(tokens):
+def test_unit_capacity_is_reached(tokens, arch):
     """An adversarial routing of the real shape has exactly capacity units
-    (greedy: one route per expert, then 16 more routes per extra unit)."""
-    p = plan(tokens=tokens)
+    (greedy: one route per expert, then ``group`` more routes per extra unit)."""
+    p = plan(tokens=tokens, arch=arch)
+    g = p.group
     routes, experts = p.routes, p.experts
     counts = [1] * min(routes, experts) + [0] * max(0, experts - routes)
     left = routes - sum(counts)
     for e in itertools.cycle(range(experts)):
-        if left < gp.GROUP:
+        if left < g:
             break
-        if counts[e] + gp.GROUP <= tokens:
-            counts[e] += gp.GROUP
-            left -= gp.GROUP
+        if counts[e] + g <= tokens:
+            counts[e] += g
+            left -= g
     e = 0
     while left:  # leftovers onto experts that keep their unit count
-        room = min(left, tokens - counts[e], -counts[e] % gp.GROUP)
+        room = min(left, tokens - counts[e], -counts[e] % g)
         counts[e] += room
         left -= room
         e += 1
     units = gp.number_units(p, routing_of(counts, tokens, p.top_k))
     assert len(units) == p.max_units
     assert p.max_units <= gp.unit_capacity(p.experts, p.top_k)  # MAX_TOKENS sizing
+    assert p.max_units * g <= gp.hidden_rows(p.experts, p.top_k)  # the hidden workspace
 
 
 # Unit numbering --------------------------------------------------------------------
@@ -98,12 +118,14 @@ def random_routing(p, rng, skew):
     return ids
 
 
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("shared", [1, 0])
 @pytest.mark.parametrize("tokens,skew", [(8, 1), (16, 1), (32, 8), (48, 20), (64, 1), (64, 30)])
-def test_number_units(tokens, skew, shared):
+def test_number_units(tokens, skew, shared, arch):
     rng = random.Random(tokens * 1000 + skew)
-    p = plan(tokens=tokens, shared_experts=shared)
-    assert p.shared_units == shared * gp.ceil_div(tokens, gp.GROUP)
+    p = plan(tokens=tokens, shared_experts=shared, arch=arch)
+    g = p.group
+    assert p.shared_units == shared * gp.ceil_div(tokens, g)
     ids = random_routing(p, rng, skew)
     u = gp.number_units(p, ids)
     assert len(u) <= p.max_units
@@ -117,17 +139,17 @@ def test_number_units(tokens, skew, shared):
     seen = []
     for i in range(p.shared_units, len(u)):
         e, rows = u.uexp[i], u.flat[u.uoff[i] : u.uoff[i] + u.ucnt[i]]
-        assert 1 <= u.ucnt[i] <= gp.GROUP and u.uoff[i + 1] == u.uoff[i] + u.ucnt[i]
+        assert 1 <= u.ucnt[i] <= g and u.uoff[i + 1] == u.uoff[i] + u.ucnt[i]
         assert all(ids[r // p.top_k][r % p.top_k] == e for r in rows)
         assert rows == sorted(rows)
         if i + 1 < len(u) and u.uexp[i + 1] == e:
-            assert u.ucnt[i] == gp.GROUP
+            assert u.ucnt[i] == g
         seen += rows
     assert sorted(seen) == list(range(p.routes))
     assert u.uexp[p.shared_units :] == sorted(u.uexp[p.shared_units :])
     assert all(u.flat[u.eoff[e]] // p.top_k >= 0 for e in set(u.uexp) - {-1})
     assert len(u) == p.shared_units + sum(
-        gp.ceil_div(sum(row.count(e) for row in ids), gp.GROUP) for e in range(p.experts)
+        gp.ceil_div(sum(row.count(e) for row in ids), g) for e in range(p.experts)
     )
 
 
@@ -284,33 +306,39 @@ def test_scale_index_is_the_row_major_index_of_the_abi_shapes(hidden, inter, exp
         assert got == list(range(len(got)))
 
 
-def test_b_tile_chunks_are_a_128_byte_swizzle():
-    """A stage's B tile: DEPTH tiles of GROUP token rows x 128 K bytes; the
-    16-byte chunks of a row are a permutation of the row, chunk 0 of row r at
-    r % 8 (the 128-byte swizzle of the MMA's shared-memory descriptor)."""
+@pytest.mark.parametrize("tokens", [16, 64])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_b_tile_chunks_are_a_128_byte_swizzle(arch, tokens):
+    """A stage's B tile: DEPTH tiles of ``group`` token rows x 128 K bytes;
+    the 16-byte chunks of a row are a permutation of the row, chunk 0 of row
+    r at r % 8 (the 128-byte swizzle of the MMA's shared-memory descriptor)."""
+    layout = gp.fit_layout(plan(tokens=tokens, arch=arch), arch, 3)
+    g = layout.group
+    assert layout.depth == gp.DEPTH
     seen = set()
     for d in range(gp.DEPTH):
-        for row in range(gp.GROUP):
-            chunks = [gp.b_chunk(d, row, c) for c in range(8)]
-            base = (d * gp.GROUP + row) * TILE
+        for row in range(g):
+            chunks = [gp.b_chunk(layout, d, row, c) for c in range(8)]
+            base = (d * g + row) * TILE
             assert sorted(chunks) == [base + 16 * c for c in range(8)]
             assert chunks[0] == base + 16 * (row % 8)
             seen.update(chunks)
-    assert len(seen) == gp.DEPTH * gp.GROUP * 8
-    assert max(seen) + 16 == gp.DEPTH * gp.GROUP * TILE  # the layout's b_bytes
+    assert len(seen) == gp.DEPTH * g * 8
+    assert max(seen) + 16 == gp.DEPTH * g * TILE == layout.b_bytes
 
 
 @pytest.mark.parametrize("inter", [512, 384])
-@pytest.mark.parametrize("gatherers,slots", [(3, 0), (2, 16)])
-def test_scale_ring_entries_live_a_whole_ring(gatherers, slots, inter):
-    """``ring_index``: a stage's DEPTH x GROUP column scales are distinct
+@pytest.mark.parametrize("arch,gatherers,slots", [("sm_90a", 3, 0), ("sm_100a", 2, 16)])
+def test_scale_ring_entries_live_a_whole_ring(arch, gatherers, slots, inter):
+    """``ring_index``: a stage's DEPTH x group column scales are distinct
     entries of the ring region, and no stage's entries are reused before
     ``ring`` more stages were written (the readers lag at most stages +
     slots < ring stages behind)."""
-    layout = gp.fit_layout(plan(inter=inter), "sm_100a", gatherers, slots)
-    size = layout.ring * layout.depth * gp.GROUP
+    layout = gp.fit_layout(plan(inter=inter, arch=arch), arch, gatherers, slots)
+    g = layout.group
+    size = layout.ring * layout.depth * g
     entries = [
-        [gp.ring_index(layout, n, d, t) for d in range(layout.depth) for t in range(gp.GROUP)]
+        [gp.ring_index(layout, n, d, t) for d in range(layout.depth) for t in range(g)]
         for n in range(3 * layout.ring)
     ]
     assert all(0 <= i < size for stage in entries for i in stage)
@@ -422,10 +450,14 @@ def test_workspaces_and_counters():
     assert ws["counters"].zero and not any(w.zero for n, w in ws.items() if n != "counters")
     assert ws["counters"].bytes == 4 * (2 * c.words + 1)
     assert ws["plan_x"].bytes == MAX_TOKENS * p.hidden
-    assert ws["hidden"].bytes == units * gp.GROUP * p.inter
-    # Every bucket's tables fit the MAX_TOKENS-sized workspaces.
+    rows = gp.hidden_rows(p.experts, p.top_k)
+    assert rows == max(gp.unit_capacity(p.experts, p.top_k, MAX_TOKENS, g) * g for g in gp.GROUPS)
+    assert ws["hidden"].bytes == rows * p.inter and ws["hscale"].bytes == rows * p.nk2 * 4
+    # Every bucket's tables, on every arch, fit the MAX_TOKENS-sized workspaces.
     for tokens in (8, 16, 32, 48, 64):
-        assert plan(tokens=tokens).max_units <= units
+        for arch in ARCHS:
+            q = plan(tokens=tokens, arch=arch)
+            assert q.max_units <= units and q.max_units * q.group <= rows
 
 
 #: (hidden, inter, experts, top_k) the layout tests run over: glm5 and smaller shapes.
@@ -483,9 +515,10 @@ def test_call_counter_and_parity_words_never_overlap(hidden, inter, experts, top
             assert c.calls not in zeroed and not set(zeroed) & blocks[parity]
 
 
-#: Bytes of one published FC1 partial: a CTA's piece of an (up, gate) pair,
-#: two row tiles of TILE rows x GROUP tokens in FP32.
-PARTIAL_BYTES = 2 * TILE * gp.GROUP * 4
+def partial_piece_bytes(p) -> int:
+    """Bytes of one published FC1 partial: a CTA's piece of an (up, gate)
+    pair, two row tiles of TILE rows x ``group`` tokens in FP32."""
+    return 2 * TILE * p.group * 4
 
 
 def unit_counts(p) -> list[int]:
@@ -496,15 +529,16 @@ def unit_counts(p) -> list[int]:
     return sorted({1, 2, gp.SPLIT_UNITS, gp.SPLIT_UNITS + 1, gp.SPLIT_UNITS + 2, top - 1, top})
 
 
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("grid", [1, 7, 132])
 @pytest.mark.parametrize("hidden,inter,experts,top_k", SHAPES[:4])
-def test_partial_workspace_holds_every_published_partial(hidden, inter, experts, top_k, grid):
+def test_partial_workspace_holds_every_published_partial(hidden, inter, experts, top_k, grid, arch):
     """A CTA publishes at most one FC1 partial per half (the piece that starts
     its range), at slot half * grid + cta of the ``partial`` workspace. The
     declared bytes cover the highest slot any unit count can write, found by
     enumerating every CTA's pieces."""
     declared = {w.name: w for w in gp.workspaces(hidden, inter, experts, top_k, grid)}
-    p = gp.GroupedPlan(hidden, inter, experts, top_k, MAX_TOKENS, grid)
+    p = gp.GroupedPlan(hidden, inter, experts, top_k, MAX_TOKENS, grid, arch=arch)
     need, split_published = 0, False
     for units in unit_counts(p):
         for cta in range(grid):
@@ -512,7 +546,7 @@ def test_partial_workspace_holds_every_published_partial(hidden, inter, experts,
                      for piece in gp.pieces(p, units, cta) if piece.role == "publish"]  # fmt: skip
             assert len(slots) == len(set(slots))  # one per CTA and half
             for slot in slots:
-                need = max(need, (slot + 1) * PARTIAL_BYTES)
+                need = max(need, (slot + 1) * partial_piece_bytes(p))
                 split_published |= slot >= grid
     assert declared["partial"].bytes >= need, (declared["partial"].bytes, need)
     # Every shape here with more than SPLIT_UNITS units publishes in half B
@@ -528,8 +562,8 @@ def test_fit_layout_keeps_the_device_contract(gatherers, slots, tokens):
     the deepest stage count in MIN_STAGES..MAX_STAGES that fits the limit,
     every region as large and aligned as its users need, none overlapping
     (``grouped_layout``)."""
-    p = plan(tokens=tokens)
     for arch, limit in SMEM_LIMIT.items():
+        p = plan(tokens=tokens, arch=arch)
         layout = gp.fit_layout(p, arch, gatherers=gatherers, slots=slots)
         assert (layout.gatherers, layout.slots) == (gatherers, slots)
         assert gp.MIN_STAGES <= layout.stages <= gp.MAX_STAGES

@@ -92,13 +92,13 @@ def test_stage_counts_of_the_glm5_buckets():
 
 @pytest.mark.parametrize("inter,depth,slots", [(512, 2, 16), (384, 1, 32)])
 def test_accumulators_fit_the_tmem_allocation(inter, depth, slots):
-    """Each stage's ``depth`` K blocks get GROUP columns each (N = GROUP), the
+    """Each stage's ``depth`` K blocks get ``group`` columns each (N = group), the
     slots rotate through one allocation, which is a legal one (a power of two
     in 32..512) and, one CTA per SM, all of TMEM; as many slots as it holds,
     at most 32."""
     s = dataclasses.replace(spec(64), inter=inter)
     p, k = gp.GroupedPlan.from_spec(s), grouped.GroupedKernel(s)
-    assert p.depth == depth and grouped.columns_of(p) == k.columns == depth * gp.GROUP
+    assert p.depth == depth and grouped.columns_of(p) == k.columns == depth * p.group == depth * 16
     columns = grouped.TMEM_COLUMNS
     assert columns == tc.TMEM_MAX_COLUMNS and columns & (columns - 1) == 0
     assert grouped.slots_of(p) == min(32, columns // k.columns) == slots == k.slots
@@ -115,11 +115,13 @@ def test_warp_roles_cover_the_tmem_lanes():
     assert THREADS == 32 * grouped.EPILOGUE + EPILOGUE_THREADS
     assert EPILOGUE_THREADS == tc.TMEM_LANES == TILE
     # The UMMA instruction descriptor (tcgen05.instruction_desc_e4m3's field
-    # layout): M = one row tile, N = a unit's GROUP tokens, F32 accumulators,
-    # E4M3 A and B, both K-major.
-    d = grouped.IDESC
-    assert ((d >> 24) & 0x1F) << 4 == TILE and ((d >> 17) & 0x3F) << 3 == gp.GROUP
-    assert (d >> 4) & 3 == 1 and (d >> 7) & 0x3F == 0 and (d >> 15) & 3 == 0
+    # layout): M = one row tile, N = a unit's ``group`` tokens (16 on sm_100a
+    # at every bucket), F32 accumulators, E4M3 A and B, both K-major.
+    for m in (8, 64):
+        p = gp.GroupedPlan.from_spec(spec(m))
+        d = grouped.idesc_of(p)
+        assert ((d >> 24) & 0x1F) << 4 == TILE and ((d >> 17) & 0x3F) << 3 == p.group == 16
+        assert (d >> 4) & 3 == 1 and (d >> 7) & 0x3F == 0 and (d >> 15) & 3 == 0
 
 
 def test_params_and_maps_follow_the_contract():
@@ -206,7 +208,7 @@ def test_representative_glm5_grouped_buckets_build_for_sm100a(tmp_path):
         lay = grouped.layout_of(plan(r["tokens"]))
         assert r["smem"] == lay.total and r["notes"]["stages"] == lay.stages
         assert r["notes"] == kernel(r["tokens"]).notes(
-            tmem_columns=grouped.TMEM_COLUMNS, idesc=f"{grouped.IDESC:#010x}"
+            tmem_columns=grouped.TMEM_COLUMNS, idesc=f"{grouped.idesc_of(plan(r['tokens'])):#010x}"
         )
 
 

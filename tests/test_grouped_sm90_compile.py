@@ -110,9 +110,12 @@ def test_variants_build_into_wgmma_tma_and_no_local_memory(built):
               f"{r['seconds']} s, REG {res['REG']}, smem {r['smem']}, stages "
               f"{r['notes']['stages']}, QGMMA {count(ops, 'QGMMA')}")  # fmt: skip
         # One stage: depth K blocks x two m64 halves x four k32 steps, each an
-        # m64n16k32 FP8 wgmma with FP32 accumulators.
-        depth = gp.GroupedPlan.from_spec(s).depth
-        assert ops.get("QGMMA.64x16x32.F32.E4M3.E4M3", 0) == depth * 2 * 4, ops
+        # m64nNk32 FP8 wgmma with FP32 accumulators, N = the unit's tokens
+        # (16 up to 16 tokens, 32 above).
+        p = gp.GroupedPlan.from_spec(s)
+        depth, n = p.depth, p.group
+        assert n == (16 if s.tokens <= 16 else 32)
+        assert ops.get(f"QGMMA.64x{n}x32.F32.E4M3.E4M3", 0) == depth * 2 * 4, ops
         assert count(ops, "QGMMA") == depth * 2 * 4, ops
         assert count(ops, "UTMALDG") >= 1 and "UTMALDG.3D" in ops, ops  # weight stages
         assert count(ops, "LDGSTS") >= 1, ops  # cp.async B-tile gathers
