@@ -157,8 +157,15 @@ class MoELayer:
         self._kernel_dtypes = {
             k: tuple(d for d in LOGITS if (k, d) in self.buckets) for k in KERNELS
         }
-        #: (variant name, stream) -> CallPlan.
-        self._plans: dict[tuple[str, int], CallPlan] = {}
+        #: (variant name, stream, whether its outputs but ``final`` go to the
+        #: stream's scratch) -> CallPlan.
+        self._plans: dict[tuple[str, int, bool], CallPlan] = {}
+        #: Bytes of the per-stream scratch a call that returns only ``final``
+        #: writes its other outputs to (``Workspaces.scratch``): the largest
+        #: final-writing variant's block.
+        self._scratch_bytes = max(
+            (self.layouts[name].nbytes for name in self.final_writers), default=0
+        )
         #: Padding row indices (runtime.plan.pad_sources) up to the largest
         #: bucket, and (M, bucket) -> the row of it that pads M rows.
         self._sources = pad_sources(max((v.tokens for v in artifact.variants), default=1), device)
@@ -189,7 +196,7 @@ class MoELayer:
         ``finalize`` the BF16 [M, H] MoE output."""
         m, dtype = self._check(x, logits, bias, "grouped")
         variant = self._variant(self._step("grouped", m, dtype, finalize), dtype)
-        block, layout = self._run(variant, x, logits, bias, m)
+        block, layout = self._run(variant, x, logits, bias, m, final_only=finalize)
         if finalize:
             return layout.view(block, "final", m)
         shared = layout.view(block, "shared_out", m) if self.shape.shared_experts else None
@@ -208,7 +215,7 @@ class MoELayer:
         if step is None:
             raise InputError(f"no {dtype}-logits variant of this artifact serves M = {m}")
         variant = self._variant(step, dtype)
-        block, layout = self._run(variant, x, logits, bias, m)
+        block, layout = self._run(variant, x, logits, bias, m, final_only=True)
         if variant.name in self.final_writers:
             return layout.view(block, "final", m)
         out, ids, weights = self._crop(layout, block, m)
@@ -240,11 +247,15 @@ class MoELayer:
     def _variant(self, step: Step, dtype: str):
         return self.buckets[(step.kernel, dtype)][step.bucket][step.finalize]
 
-    def _run(self, variant, x, logits, bias, m: int):
+    def _run(self, variant, x, logits, bias, m: int, final_only: bool = False):
         """Pads x and logits (M rows) to ``variant``'s bucket, allocates the
         call's output block (and ``final``, when the variant writes it) and
         launches; returns (block, its layout); ``layout.view(block, "final")``
-        then gives ``final``."""
+        then gives ``final``. ``final_only``: the caller returns only
+        ``final``; a variant that writes it then gets only ``final`` as a
+        tensor of the call, its other outputs going to the stream's scratch
+        (one allocation a call instead of two; not with ``poison``, whose
+        fills check every output)."""
         bucket = variant.tokens
         if m != bucket:
             source = self._pad.get((m, bucket))
@@ -252,19 +263,24 @@ class MoELayer:
                 source = self._pad[(m, bucket)] = self._sources[m - 1, :bucket]
             x, logits = pad_rows(x, bucket, source), pad_rows(logits, bucket, source)
         layout = self.layouts[variant.name]
-        block = layout.allocate(self.device)
-        if self.poison:
-            block.fill_(POISON_BYTE)
-        self._launch(variant, x, logits, bias, block)
+        scratch = final_only and not self.poison and variant.name in self.final_writers
+        if scratch:
+            block = layout.allocate_final(self.device)
+        else:
+            block = layout.allocate(self.device)
+            if self.poison:
+                block.fill_(POISON_BYTE)
+        self._launch(variant, x, logits, bias, block, scratch)
         return block, layout
 
-    def _launch(self, variant, x, logits, bias, block) -> None:
+    def _launch(self, variant, x, logits, bias, block, scratch: bool = False) -> None:
         """Launches ``variant`` on torch's current stream of the layer's
         device: ``x`` and ``logits`` at the bucket's rows, ``block`` the
-        call's output block (``self.layouts[variant.name]``)."""
+        call's output block (``self.layouts[variant.name]``; with ``scratch``
+        only its ``final``, the other outputs going to the stream's scratch)."""
         graphs.release()
         stream = current_stream(self.ordinal)
-        plan = self._plan(variant, stream)
+        plan = self._plan(variant, stream, scratch)
         capturing = graphs.capture_possible(self.ordinal)
         # The device's context is current for the launch (the legacy default
         # stream, handle 0, runs in the current context). Pushing it only when
@@ -285,18 +301,21 @@ class MoELayer:
             graphs.hold(stream, self)
         plan.launch(stream, x, logits, bias, block)
 
-    def _plan(self, variant, stream: int) -> CallPlan:
-        """``variant``'s plan on ``stream``: made on its first call there, and
+    def _plan(self, variant, stream: int, scratch: bool = False) -> CallPlan:
+        """``variant``'s plan on ``stream`` (with ``scratch``: its outputs but
+        ``final`` in the stream's scratch): made on its first call there, and
         made again when the stream's workspaces were made again (after
         ``Artifact.close``, a plan would hold freed addresses)."""
-        workspace = self.artifact.workspaces(self.ordinal).pointers(stream, variant)
-        key = (variant.name, stream)
+        spaces = self.artifact.workspaces(self.ordinal)
+        workspace = spaces.pointers(stream, variant)
+        key = (variant.name, stream, scratch)
         plan = self._plans.get(key)
         if plan is None or plan.workspace is not workspace:
             fixed = {name: t.data_ptr() for name, t in {**self.tensors, **self.rows}.items()}
             fixed["maps"] = self.maps[variant.tensor_maps].data_ptr()
+            base = spaces.scratch(stream, self._scratch_bytes) if scratch else None
             plan = CallPlan(variant, self.launchers[variant.name], fixed, workspace,
-                            self.layouts[variant.name], self.shape.top_k)  # fmt: skip
+                            self.layouts[variant.name], self.shape.top_k, base)  # fmt: skip
             self._plans[key] = plan
         return plan
 
@@ -338,6 +357,12 @@ class OutputLayout:
             for name, (offset, dtype, shape) in self.fields.items()
         }
 
+    def allocate_final(self, device, empty=torch.empty) -> _Block:
+        """Only ``final`` of a call (``separate_final``; the other outputs
+        live elsewhere: ``CallPlan``'s ``scratch``)."""
+        assert self.separate_final
+        return _Block(None, empty(self.final_shape, dtype=torch.bfloat16, device=device))
+
     def allocate(self, device, empty=torch.empty):
         """A call's outputs on ``device``: the block of bytes, or with
         ``separate_final`` a ``_Block`` of it and ``final`` (``empty``:
@@ -361,7 +386,8 @@ class OutputLayout:
 
 class _Block:
     """A call's outputs when ``final`` is allocated apart: ``bytes`` the
-    block (``OutputLayout``), ``final`` BF16 [B, H]."""
+    block (``OutputLayout``; None when the other outputs go to a stream's
+    scratch), ``final`` BF16 [B, H]."""
 
     __slots__ = ("bytes", "final")
 
@@ -385,13 +411,15 @@ class CallPlan:
     row tables, tensor maps), in that order of precedence after the per-call
     names, as a fill by name would. ``inputs``: (slot, index into INPUTS),
     ``outputs``: (slot, byte offset in the block), the slots ``launch``
-    writes. ``launch`` writes and launches under a lock, so threads sharing a
-    plan (one layer, one stream) never launch each other's addresses; the
-    driver copies the values at the launch (a captured graph node keeps its
-    own copy)."""
+    writes. ``scratch``: an address holding a block of ``layout``, where the
+    outputs but ``final`` go at every call (fixed slots; ``launch`` then
+    writes only the inputs' and ``final``'s). ``launch`` writes and launches
+    under a lock, so threads sharing a plan (one layer, one stream) never
+    launch each other's addresses; the driver copies the values at the
+    launch (a captured graph node keeps its own copy)."""
 
     def __init__(self, variant, launcher, fixed: dict, workspace: dict, layout: OutputLayout,
-                 top_k: int):  # fmt: skip
+                 top_k: int, scratch: int | None = None):  # fmt: skip
         self.variant, self.launcher, self.workspace = variant, launcher, workspace
         self.parameters = Parameters(kind for _, kind in variant.params)
         #: The slot of ``final`` when it is a tensor of its own, else None.
@@ -406,6 +434,8 @@ class CallPlan:
                 inputs.append((i, INPUTS.index(name)))
             elif name == "final" and layout.separate_final:
                 self.final_slot = i
+            elif name in layout.offsets and scratch is not None:
+                self.parameters.slot(i, scratch + layout.offsets[name])
             elif name in layout.offsets:
                 outputs.append((i, layout.offsets[name]))
             else:
@@ -418,13 +448,14 @@ class CallPlan:
         ``block`` of this plan's layout, on ``stream``."""
         # A model without a bias passes None: its kernels never read it.
         addresses = (x.data_ptr(), logits.data_ptr(), 0 if bias is None else bias.data_ptr())
-        base = block.data_ptr()
         values = self.parameters.values
         with self._lock:
             for i, j in self.inputs:
                 values[i] = addresses[j]
-            for i, offset in self.outputs:
-                values[i] = base + offset
+            if self.outputs:
+                base = block.data_ptr()
+                for i, offset in self.outputs:
+                    values[i] = base + offset
             if self.final_slot is not None:
                 values[self.final_slot] = block.final.data_ptr()
             self.launcher.launch(stream, self.parameters)

@@ -49,6 +49,22 @@ class Workspaces:
             self._by_variant[key] = found
             return found
 
+    def scratch(self, stream: int, nbytes: int) -> int:
+        """Device address of ``nbytes`` (not zeroed) that calls on ``stream``
+        may write and never read back: the routes' rows, ids, weights and
+        shared rows of a call that returns only its MoE output (the kernel
+        writes them, then reads them itself). Made on first use, then shared
+        by every such call of this device's layers on ``stream`` (calls on a
+        stream run one after another)."""
+        record = (stream, "outputs", nbytes, False)
+        found = self._buffers.get(record)
+        if found is not None:
+            return found
+        with self._lock:
+            if record not in self._buffers:
+                self._buffers[record] = driver.alloc(self.ordinal, nbytes, False)
+            return self._buffers[record]
+
     def streams(self) -> set[int]:
         return {record[0] for record in self._buffers}
 

@@ -99,7 +99,7 @@ class TaggedLayer(MoELayer):
         super().__init__(*args, **kwargs)
         self.skip, self.calls = skip, []
 
-    def _launch(self, variant, x, logits, bias, block):
+    def _launch(self, variant, x, logits, bias, block, scratch=False):
         bucket = variant.tokens
         assert x.shape[0] == bucket and logits.shape[0] == bucket
         self.calls.append((variant.name, x.clone(), logits.clone()))
@@ -111,7 +111,9 @@ class TaggedLayer(MoELayer):
             results["final"] = t["final"]
         layout = self.layouts[variant.name]
         for name, value in results.items():
-            if name not in self.skip:
+            # With ``scratch`` the call's block holds only ``final`` (the other
+            # outputs go to the stream's scratch, which nobody reads back).
+            if name not in self.skip and (name == "final" or not scratch):
                 layout.view(block, name).copy_(value)
 
 

@@ -107,7 +107,7 @@ def test_plans_launch_what_a_fill_by_name_gives(tmp_path, fake, weights):
         assert function == ("function", v[name].entry, 0) and context == 0
         assert values == _by_name(layer, v[name], stream, *args), name
     assert fake.launches[1][3]["tokens"] == 2 and fake.launches[1][3]["routes"] == 2 * SHAPE.top_k
-    assert set(layer._plans) == {(n, 0x5000) for n in order}
+    assert set(layer._plans) == {(n, 0x5000, False) for n in order}
     # The grouped kernel without finalize gets one pointer for final and shared_out.
     plain, final = fake.launches[2][3], fake.launches[3][3]
     assert plain["final"] == plain["shared_out"] and final["final"] != final["shared_out"]
@@ -128,8 +128,8 @@ def test_a_plan_per_stream(tmp_path, fake, weights):
         assert values == _by_name(layer, v, stream, *args)
         assert counters.setdefault(stream, values["counters"]) == values["counters"]
         assert (
-            plans.setdefault(stream, layer._plans[(v.name, stream)])
-            is layer._plans[(v.name, stream)]
+            plans.setdefault(stream, layer._plans[(v.name, stream, False)])
+            is layer._plans[(v.name, stream, False)]
         ), "a stream's plan was made again"
     assert counters[0x5000] != counters[0x7000]
     assert plans[0x5000] is not plans[0x7000]
@@ -291,6 +291,40 @@ def test_calls_get_fresh_blocks_of_apart_outputs(null, m):
         assert all((t.data_ptr() - base) % OUTPUT_ALIGN == 0 for t in outs)
         assert all(t.untyped_storage().data_ptr() == base for t in outs)
         assert outs[1].dtype == torch.int32 and outs[1].shape == (m, SHAPE.top_k)
+
+
+@pytest.mark.parametrize("m", [1, 8])
+def test_a_call_returning_final_alone_writes_the_rest_to_the_streams_scratch(null, m):
+    """A final-writing variant called for its MoE output alone (the layer
+    call, ``grouped(finalize=True)``): one tensor a call (``final``, its own
+    storage), the other outputs at the stream's scratch (``Workspaces.scratch``:
+    the same address every call, as large as the largest final-writing
+    variant's block, made once); the kernel entries that return those outputs
+    keep getting blocks of their own."""
+    layer = null.layer()
+    x, logits, bias = inputs(SHAPE, m)
+    variant = layer._variant(layer.tables["float32"][m], "float32")
+    assert variant.name in layer.final_writers
+    layout = layer.layouts[variant.name]
+    seen = []
+    for _ in range(3):
+        final = layer(x, logits, bias)
+        assert final.untyped_storage().nbytes() == variant.tokens * SHAPE.hidden * 2
+        values = _launched(null, variant)
+        assert values["final"] == final.data_ptr()
+        seen.append({n: values[n] - layout.offsets[n] for n in ("out", "ids", "weights")})
+    bases = {b for call in seen for b in call.values()}
+    assert len(bases) == 1, seen  # one block, at the layout's offsets, every call
+    spaces = layer.artifact.workspaces(layer.ordinal)
+    assert bases == {spaces.scratch(0x5000, layer._scratch_bytes)}
+    assert layer._scratch_bytes == max(layer.layouts[n].nbytes for n in layer.final_writers)
+    assert layer._scratch_bytes >= layout.nbytes
+    out = layer.grouped(x, logits, bias, finalize=True)
+    assert _launched(null, layer._variant(layer._step("grouped", m, "float32", True),
+                                          "float32"))["out"] in bases  # fmt: skip
+    assert out.shape == (m, SHAPE.hidden)
+    routed = layer.grouped(x, logits, bias)  # its own block: out, ids, weights, shared
+    assert routed[0].data_ptr() not in bases
 
 
 def test_poison_fills_every_output(weights):
