@@ -398,9 +398,19 @@ class GroupedCommon:
     @cute.jit
     def stamp_thread0(self, t: Tables, tid: Int32, point: cutlass.Constexpr[int]):
         """A diagnostics build only: thread 0 stores stamp ``STAMP_POINTS[point]``
-        (the call's entry, PDL wait, tokens ready and exit, on both archs)."""
+        (the call's entry, PDL wait, tokens ready and exit, on both archs).
+        After the PDL wait (the previous call's grid is done with the stamps)
+        it first zeroes its CTA's stamps from ``tokens_ready`` on, so a point
+        this call does not reach (a CTA without FC2 stages) reads 0, not an
+        earlier call's time (those points are written after ``start_call``'s
+        first ``__syncthreads``; the ones before it are written by the same
+        CTAs at every call)."""
         if cutlass.const_expr(self.stamps):
             if tid == 0:
+                if cutlass.const_expr(gp.STAMP_POINTS[point] == "pdl_wait"):
+                    first = gp.STAMP_POINTS.index("tokens_ready")
+                    for i in cutlass.range_constexpr(first, len(gp.STAMP_POINTS)):
+                        ptx.st_global_u32(t.stamps + Int64(i * 4), Uint32(0))
                 self.stamp(t, gp.STAMP_POINTS[point])
 
     # -- the call's start ---------------------------------------------------------------
@@ -566,8 +576,14 @@ class GroupedCommon:
         if cta < self.tokens:
             if warp == 0:
                 self.route(logits, bias, ids, weights, cta, lane)
+                if cutlass.const_expr(self.stamps):
+                    if lane == 0:
+                        self.stamp(t, "route_done")
             elif warp >= self.EPILOGUE_WARP:
                 self.quantize(x, plan_x, plan_s, cta, tid - self.EPILOGUE_WARP * 32)
+                if cutlass.const_expr(self.stamps):
+                    if tid == self.EPILOGUE_WARP * 32:
+                        self.stamp(t, "quantized")
             ptx.fence_acq_rel_gpu()
         cute.arch.sync_threads()
         if cutlass.const_expr(self.stamps):

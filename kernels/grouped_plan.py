@@ -78,14 +78,16 @@ WAIT_TIMEOUT_NS = 10_000_000_000
 #: Unset (every release build), the kernels' code is unchanged.
 STAMPS_ENV = "MOE_BUILD_STAMPS"
 #: Per CTA, in this order (word index = position): times of thread 0 at entry,
-#: after the PDL wait, once its own token is routed and quantized (CTAs below
-#: M only) and once every token is planned; the producer's start
+#: after the PDL wait; CTAs below M only: the router warp's lane 0 once token
+#: ``cta`` is routed, the first quantizing thread once it quantized its part
+#: (both before their release fence), thread 0 once both are done and fenced;
+#: then thread 0 once every token is planned; the producer's start
 #: (unit tables done), end of its FC1 posts and of all posts; the MMA
 #: consumer's first full stage, its last FC1 stage done, its first FC2 stage
 #: full and its END; a gatherer's first FC2 unit ready; thread 0 after the
 #: finalize's wait and at exit; then counts: FC1 stages, FC2 stages, units.
 STAMP_POINTS = (
-    "entry", "pdl_wait", "routed", "tokens_ready", "tables", "fc1_posted", "all_posted",
+    "entry", "pdl_wait", "route_done", "quantized", "routed", "tokens_ready", "tables", "fc1_posted", "all_posted",
     "first_full", "fc1_done", "first_fc2", "consumer_end", "fc2_ready", "finished", "exit",
     "fc1_stages", "fc2_stages", "units",
 )  # fmt: skip
