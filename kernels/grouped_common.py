@@ -403,8 +403,9 @@ class GroupedCommon:
         it first zeroes its CTA's stamps from ``tokens_ready`` on, so a point
         this call does not reach (a CTA without FC2 stages) reads 0, not an
         earlier call's time (those points are written after ``start_call``'s
-        first ``__syncthreads``; the ones before it are written by the same
-        CTAs at every call)."""
+        first ``__syncthreads``). ``start_call`` zeroes the start's own
+        points in the CTAs that do not write them (``cta`` >= M: the stamps
+        may hold a larger bucket's call on the same stream)."""
         if cutlass.const_expr(self.stamps):
             if tid == 0:
                 if cutlass.const_expr(gp.STAMP_POINTS[point] == "pdl_wait"):
@@ -573,6 +574,11 @@ class GroupedCommon:
         scal = t.scal
         if tid == 32:
             scal[S_PARITY] = gp.call_parity(Int32(ptx.ld_global_cg_u32(calls)), self.grid)
+        if cutlass.const_expr(self.stamps):
+            if cta >= self.tokens:
+                if tid == 0:
+                    for name in cutlass.range_constexpr(3):
+                        self.stamp(t, ("route_done", "quantized", "routed")[name], 0)
         if cta < self.tokens:
             if warp == 0:
                 self.route(logits, bias, ids, weights, cta, lane)

@@ -11,7 +11,11 @@ and final BF16 [M, H]. Padded rows never come back.
 Each call validates its tensors, then launches on torch's current stream of
 the layer's device. A launch allocates one block of bytes from torch's
 caching allocator for all its outputs (``OutputLayout``: each output a view
-at an OUTPUT_ALIGN-byte offset) and, when M is not a bucket, the padded
+at an OUTPUT_ALIGN-byte offset), or, for a call that returns only the MoE
+output of a variant that writes it (``layer(...)``, ``grouped(...,
+finalize=True)``), only ``final``, the other outputs going to a scratch
+buffer of the stream's (``Workspaces.scratch``: the kernel writes and reads
+them itself); and, when M is not a bucket, the padded
 inputs (one gather each, ``runtime.plan.pad_rows``); workspaces are made on a
 stream's first call, outside any capture. So a layer can be captured in a
 CUDA graph and replayed. A captured launch makes the graph hold the layer
@@ -24,11 +28,12 @@ keeps only itself allocated, while any one of ``mega``'s or ``grouped``'s
 outputs the caller keeps keeps the whole block (at glm5's M = 64 about 4.5
 MiB, most of it the routes' rows).
 
-The eager host path (docs/notes/host-path.md): per (variant, stream) a
-``CallPlan`` holds the parameter block filled once with every value that does
-not change between calls (the weights' and row tables' addresses, the tensor
-maps, the stream's workspaces, i32 scalars); a call writes only the
-addresses of x, logits, bias and its output block. The driver's capture
+The eager host path (docs/notes/host-path.md): per (variant, stream, and
+whether the outputs go to the scratch) a ``CallPlan`` holds the parameter
+block filled once with every value that does not change between calls (the
+weights' and row tables' addresses, the tensor maps, the stream's workspaces
+and scratch, i32 scalars); a call writes only the addresses of x, logits,
+bias and its output block (or ``final``). The driver's capture
 query runs only when ``runtime.graphs.capture_possible`` cannot rule a
 capture out, and the device's context is pushed only when it is not current
 already.
@@ -97,7 +102,7 @@ class MoELayer:
     with NaN (ids with -1) before each launch, so unwritten elements show (a
     test aid; it adds one fill per call). ``layouts``: variant name -> its
     ``OutputLayout``. The bound tensors' addresses are read once per
-    (variant, stream) (``CallPlan``); they are fixed at bind already (the
+    (variant, stream, scratch or not) (``CallPlan``); they are fixed at bind already (the
     tensor maps encode the weights' addresses)."""
 
     def __init__(self, artifact, tensors: dict, shape: MoEShape, device: torch.device,

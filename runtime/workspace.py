@@ -54,8 +54,8 @@ class Workspaces:
         may write and never read back: the routes' rows, ids, weights and
         shared rows of a call that returns only its MoE output (the kernel
         writes them, then reads them itself). Made on first use, then shared
-        by every such call of this device's layers on ``stream`` (calls on a
-        stream run one after another)."""
+        by every such call on ``stream`` of the layers bound from this
+        artifact on this device (calls on a stream run one after another)."""
         record = (stream, "outputs", nbytes, False)
         found = self._buffers.get(record)
         if found is not None:

@@ -70,8 +70,9 @@ def test_unit_widths():
     assert gp.GroupedPlan(**GLM5, tokens=64, grid=132, arch="sm_100a").group == 16
     assert gp.unit_group(64, "sm_120a") == gp.unit_group(64, "sm_100a")  # unknown arch
     widths = {g for pair in gp.UNIT_TOKENS.values() for g in pair}
-    assert sorted(widths) == list(gp.GROUPS)
     assert all(g % 16 == 0 and g <= 32 for g in widths)
+    # The workspaces are sized for every width a plan can take.
+    assert widths <= set(gp.GROUPS)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -312,19 +312,36 @@ def test_a_call_returning_final_alone_writes_the_rest_to_the_streams_scratch(nul
         assert final.untyped_storage().nbytes() == variant.tokens * SHAPE.hidden * 2
         values = _launched(null, variant)
         assert values["final"] == final.data_ptr()
-        seen.append({n: values[n] - layout.offsets[n] for n in ("out", "ids", "weights")})
+        names = ("out", "ids", "weights", "shared_out")
+        seen.append({n: values[n] - layout.offsets[n] for n in names})
     bases = {b for call in seen for b in call.values()}
     assert len(bases) == 1, seen  # one block, at the layout's offsets, every call
     spaces = layer.artifact.workspaces(layer.ordinal)
     assert bases == {spaces.scratch(0x5000, layer._scratch_bytes)}
-    assert layer._scratch_bytes == max(layer.layouts[n].nbytes for n in layer.final_writers)
-    assert layer._scratch_bytes >= layout.nbytes
+    # The buffer the calls got holds every final-writing variant's block.
+    (size,) = [r[2] for r, p in spaces._buffers.items() if p in bases]
+    assert all(size >= layer.layouts[n].nbytes for n in layer.final_writers)
     out = layer.grouped(x, logits, bias, finalize=True)
     assert _launched(null, layer._variant(layer._step("grouped", m, "float32", True),
                                           "float32"))["out"] in bases  # fmt: skip
     assert out.shape == (m, SHAPE.hidden)
     routed = layer.grouped(x, logits, bias)  # its own block: out, ids, weights, shared
     assert routed[0].data_ptr() not in bases
+
+
+def test_the_scratch_is_remade_with_the_workspaces(null):
+    """After ``Artifact.close`` frees the workspaces and the scratch, a call
+    returning ``final`` alone gets a new scratch, never the freed one."""
+    layer = null.layer()
+    x, logits, bias = inputs(SHAPE, 8)
+    variant = layer._variant(layer.tables["float32"][8], "float32")
+    layer(x, logits, bias)
+    old = _launched(null, variant)["out"]
+    layer.artifact.close()
+    layer(x, logits, bias)
+    new = _launched(null, variant)["out"]
+    spaces = layer.artifact.workspaces(layer.ordinal)
+    assert new != old and new == spaces.scratch(0x5000, layer._scratch_bytes)
 
 
 def test_poison_fills_every_output(weights):

@@ -22,7 +22,7 @@ import shutil
 import pytest
 import seeding
 import torch
-from test_models_gpu import CALL_TOL
+from gpu_artifacts import CALL_TOL
 
 import runtime
 from runtime.errors import ArtifactError, DeviceRefused, InputError
