@@ -398,21 +398,27 @@ class GroupedCommon:
     @cute.jit
     def stamp_thread0(self, t: Tables, tid: Int32, point: cutlass.Constexpr[int]):
         """A diagnostics build only: thread 0 stores stamp ``STAMP_POINTS[point]``
-        (the call's entry, PDL wait, tokens ready and exit, on both archs).
-        After the PDL wait (the previous call's grid is done with the stamps)
-        it first zeroes its CTA's stamps from ``tokens_ready`` on, so a point
-        this call does not reach (a CTA without FC2 stages) reads 0, not an
-        earlier call's time (those points are written after ``start_call``'s
-        first ``__syncthreads``). ``start_call`` zeroes the start's own
-        points in the CTAs that do not write them (``cta`` >= M: the stamps
-        may hold a larger bucket's call on the same stream)."""
+        (the call's entry, PDL wait, tokens ready and exit, on both archs)."""
         if cutlass.const_expr(self.stamps):
             if tid == 0:
-                if cutlass.const_expr(gp.STAMP_POINTS[point] == "pdl_wait"):
-                    first = gp.STAMP_POINTS.index("tokens_ready")
-                    for i in cutlass.range_constexpr(first, len(gp.STAMP_POINTS)):
-                        ptx.st_global_u32(t.stamps + Int64(i * 4), Uint32(0))
                 self.stamp(t, gp.STAMP_POINTS[point])
+
+    @cute.jit
+    def clear_stamps(self, t: Tables, cta: Int32):
+        """A diagnostics build, one thread after the PDL wait (the previous
+        call's grid is done with the stamps): zeroes every point this call
+        may not write, so none reads an earlier call's time: the points from
+        ``tokens_ready`` on (written after ``start_call``'s first
+        ``__syncthreads``, some not by every CTA: a CTA without FC2 stages),
+        and in a CTA that routes no token (``cta`` >= M) the start's own
+        (the stamps may hold a larger bucket's call on the same stream)."""
+        start = gp.STAMP_POINTS.index("route_done")
+        later = gp.STAMP_POINTS.index("tokens_ready")
+        for i in cutlass.range_constexpr(start, len(gp.STAMP_POINTS)):
+            if cutlass.const_expr(i >= later):
+                ptx.st_global_u32(t.stamps + Int64(i * 4), Uint32(0))
+            elif cta >= self.tokens:
+                ptx.st_global_u32(t.stamps + Int64(i * 4), Uint32(0))
 
     # -- the call's start ---------------------------------------------------------------
 
@@ -575,10 +581,8 @@ class GroupedCommon:
         if tid == 32:
             scal[S_PARITY] = gp.call_parity(Int32(ptx.ld_global_cg_u32(calls)), self.grid)
         if cutlass.const_expr(self.stamps):
-            if cta >= self.tokens:
-                if tid == 0:
-                    for name in cutlass.range_constexpr(3):
-                        self.stamp(t, ("route_done", "quantized", "routed")[name], 0)
+            if tid == 0:
+                self.clear_stamps(t, cta)
         if cta < self.tokens:
             if warp == 0:
                 self.route(logits, bias, ids, weights, cta, lane)

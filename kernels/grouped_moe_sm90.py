@@ -38,8 +38,9 @@ job (``store_rows``).
 
 Accumulator fragment (``wgmma`` ``m64nNk32``): thread e (warp w = e // 32,
 lane l) holds, per 64-row half h, physical rows 16 w + l // 4 and + 8, tokens
-2 (l % 4) + {0, 1} + 8 j for j < N / 8 (``Sm90Fragment``). Under the 16-row shuffle of the weight layout
-those two physical rows are the logical neighbours 2 (l // 4) and + 1, so a
+2 (l % 4) + {0, 1} + 8 j for j < N / 8 (``Sm90Fragment``). Under the 16-row
+shuffle of the weight layout those two physical rows are the logical
+neighbours 2 (l // 4) and + 1, so a
 thread stores two adjacent output elements per token (one BF16x2 word, one
 FP8 pair); the ``rows`` table is not read (the shuffle is the layout's
 contract, docs/semantics.md, "Weight layout").

@@ -146,17 +146,18 @@ def stage_bounds(depth: int) -> tuple[int, int]:
     return MAX_STAGES * DEPTH // depth, MIN_STAGES * DEPTH // depth
 
 
-def unit_capacity(experts: int, top_k: int, tokens: int = MAX_TOKENS, group: int = 0) -> int:
+def unit_capacity(
+    experts: int, top_k: int, tokens: int = MAX_TOKENS, group: int = min(GROUPS)
+) -> int:
     """Most units a call of ``tokens`` tokens can have (any routing), with
-    units of ``group`` tokens (0: the narrowest of ``GROUPS``, the most units
-    any plan has).
+    units of ``group`` tokens (default: the narrowest of ``GROUPS``, the most
+    units any plan has).
 
     The shared expert has ceil(tokens / group) units. Routed units: an
     expert's first route opens a unit (one unit per route while experts
     last), every further unit costs ``group`` more routes of one expert, and
     an expert holds at most ``tokens`` routes (each token picks distinct
     experts), so at most ceil(tokens / group) units."""
-    group = group or min(GROUPS)
     routes = tokens * top_k
     first = min(routes, experts)
     more = min((routes - first) // group, experts * (ceil_div(tokens, group) - 1))

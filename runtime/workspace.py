@@ -43,9 +43,7 @@ class Workspaces:
             found = {}
             for need in variant.workspace:
                 record = (stream, variant.kernel, need.name, need.bytes, need.zero)
-                if record not in self._buffers:
-                    self._buffers[record] = driver.alloc(self.ordinal, need.bytes, need.zero)
-                found[need.name] = self._buffers[record]
+                found[need.name] = self._buffer(record, need.bytes, need.zero)
             self._by_variant[key] = found
             return found
 
@@ -61,9 +59,13 @@ class Workspaces:
         if found is not None:
             return found
         with self._lock:
-            if record not in self._buffers:
-                self._buffers[record] = driver.alloc(self.ordinal, nbytes, False)
-            return self._buffers[record]
+            return self._buffer(record, nbytes, False)
+
+    def _buffer(self, record: tuple, nbytes: int, zero: bool) -> int:
+        """The buffer of ``record``, allocated on first use (hold ``_lock``)."""
+        if record not in self._buffers:
+            self._buffers[record] = driver.alloc(self.ordinal, nbytes, zero)
+        return self._buffers[record]
 
     def streams(self) -> set[int]:
         return {record[0] for record in self._buffers}
