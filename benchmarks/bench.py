@@ -20,7 +20,7 @@ Method:
   and on one of ``COPIES`` separately bound copies of the weights (so no call
   finds its weights in L2: GLM-5's layer of 1.7 GB is 28x the L2, and one
   token's 50 MB is not read twice in a row); the graph is replayed ``reps`` times
-  after a warm-up, and the per-call time is replay time / POOL (median, min,
+  after ``WARMUP_S`` seconds of untimed replays, and the per-call time is replay time / POOL (median, min,
   max over replays).
 - ``weight_bytes`` = bytes of the distinct experts the calls touch (mean over
   the pool), plus the shared expert where computed (never for a model
@@ -88,6 +88,12 @@ CHECK_CALLS = 16
 #: but the same host path moved up to 2x between the cases of one run.
 HOST_CALLS = 200
 HOST_BATCH = 50
+#: Seconds of untimed replays of each case's graph before its timed ones
+#: (``time_graph``). With 3 replays only, the first case of a run read ~1 us
+#: slower at M = 1 than the same kernel timed next (the layer 20.5-20.8 us,
+#: mega 19.4-19.8 us, in every committed run and whichever routing came
+#: first: docs/notes/mega-sm90.md, "The first case of a run").
+WARMUP_S = 0.1
 
 
 @dataclass
@@ -224,8 +230,10 @@ def distinct_experts(logits: torch.Tensor, bias: torch.Tensor | None, shape: MoE
     return statistics.mean(len(torch.unique(ids[p])) for p in range(ids.shape[0]))
 
 
-def time_graph(calls, reps: int, warmup: int = 3) -> list[float]:
-    """Per-call microseconds of each replay of a graph of ``calls`` (callables)."""
+def time_graph(calls, reps: int, warmup: int = 3, warmup_s: float = WARMUP_S) -> list[float]:
+    """Per-call microseconds of each replay of a graph of ``calls``
+    (callables), after at least ``warmup`` untimed replays and ``warmup_s``
+    seconds of them."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -236,9 +244,11 @@ def time_graph(calls, reps: int, warmup: int = 3) -> list[float]:
     with torch.cuda.graph(graph):
         for call in calls:
             call()
-    for _ in range(warmup):
+    began, replays = time.perf_counter(), 0
+    while replays < warmup or time.perf_counter() - began < warmup_s:
         graph.replay()
-    torch.cuda.synchronize()
+        torch.cuda.synchronize()
+        replays += 1
     out = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -529,6 +539,7 @@ class Bench:
                 "near_tie": NEAR_TIE,
                 "check_calls": CHECK_CALLS,
                 "host_calls": HOST_CALLS,
+                "warmup_s": WARMUP_S,
                 "routing": routing_rule(self.shape),
             },  # fmt: skip
             "crossover": crossover(rows),

@@ -344,6 +344,7 @@ class OutputLayout:
     def __init__(self, bucket: int, top_k: int, hidden: int, separate_final: bool):
         b, k, h = bucket, top_k, hidden
         self.separate_final, self.final_shape = separate_final, (b, h)
+        self._templates: dict[torch.device, torch.Tensor] = {}  # allocate_final's
         fields = [("out", torch.bfloat16, (b * k, h)), ("ids", torch.int32, (b, k)),
                   ("weights", torch.float32, (b, k)), ("shared_out", torch.bfloat16, (b, h))]  # fmt: skip
         self.fields: dict[str, tuple[int, torch.dtype, tuple[int, ...]]] = {}
@@ -362,11 +363,18 @@ class OutputLayout:
             for name, (offset, dtype, shape) in self.fields.items()
         }
 
-    def allocate_final(self, device, empty=torch.empty) -> _Block:
+    def allocate_final(self, device) -> _Block:
         """Only ``final`` of a call (``separate_final``; the other outputs
-        live elsewhere: ``CallPlan``'s ``scratch``)."""
+        live elsewhere: ``CallPlan``'s ``scratch``): ``torch.empty_like`` of
+        a template made once per device (one element expanded to the
+        bucket's shape, so it holds no memory), a fresh contiguous tensor
+        like ``torch.empty``'s, with fewer arguments to parse at every call."""
         assert self.separate_final
-        return _Block(None, empty(self.final_shape, dtype=torch.bfloat16, device=device))
+        template = self._templates.get(device)
+        if template is None:
+            one = torch.empty((1, 1), dtype=torch.bfloat16, device=device)
+            template = self._templates[device] = one.expand(self.final_shape)
+        return _Block(None, torch.empty_like(template))
 
     def allocate(self, device, empty=torch.empty):
         """A call's outputs on ``device``: the block of bytes, or with
@@ -382,7 +390,9 @@ class OutputLayout:
         a dense view of its first ``rows`` rows (default: all of the
         bucket's)."""
         if name == "final" and self.separate_final:
-            return block.final if rows is None else block.final[:rows]
+            # The whole tensor at the bucket's rows: a slice costs a view.
+            whole = rows is None or rows == self.final_shape[0]
+            return block.final if whole else block.final[:rows]
         dtype, bucket_rows, width, start = self._views[name]
         shape = (bucket_rows if rows is None else rows, width)
         data = block.bytes if isinstance(block, _Block) else block
