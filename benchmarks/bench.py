@@ -92,8 +92,9 @@ HOST_BATCH = 50
 #: (``time_graph``). With 3 replays only, the first case of a run read ~1 us
 #: slower at M = 1 than the same kernel timed next (the layer 20.5-20.8 us,
 #: mega 19.4-19.8 us, in every committed run and whichever routing came
-#: first: docs/notes/mega-sm90.md, "The first case of a run").
-WARMUP_S = 0.1
+#: first), with 0.1 s 0.8 us, with 1 s not (docs/notes/mega-sm90.md, "The
+#: first case of a run"); about 70 s more for a full three-routing run.
+WARMUP_S = 1.0
 
 
 @dataclass
@@ -230,10 +231,11 @@ def distinct_experts(logits: torch.Tensor, bias: torch.Tensor | None, shape: MoE
     return statistics.mean(len(torch.unique(ids[p])) for p in range(ids.shape[0]))
 
 
-def time_graph(calls, reps: int, warmup: int = 3, warmup_s: float = WARMUP_S) -> list[float]:
+def time_graph(calls, reps: int, warmup: int = 3, warmup_s: float | None = None) -> list[float]:
     """Per-call microseconds of each replay of a graph of ``calls``
     (callables), after at least ``warmup`` untimed replays and ``warmup_s``
-    seconds of them."""
+    seconds of them (default ``WARMUP_S``)."""
+    warmup_s = WARMUP_S if warmup_s is None else warmup_s
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
