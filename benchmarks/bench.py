@@ -19,9 +19,9 @@ Method:
 - Each timed case is a CUDA graph of ``POOL`` calls, each on its own inputs
   and on one of ``COPIES`` separately bound copies of the weights (so no call
   finds its weights in L2: GLM-5's layer of 1.7 GB is 28x the L2, and one
-  token's 50 MB is not read twice in a row); the graph is replayed ``reps`` times
-  after ``WARMUP_S`` seconds of untimed replays, and the per-call time is replay time / POOL (median, min,
-  max over replays).
+  token's 50 MB is not read twice in a row); the graph is replayed ``reps``
+  times after ``WARMUP_S`` seconds of untimed replays, and the per-call time
+  is replay time / POOL (median, min, max over replays).
 - ``weight_bytes`` = bytes of the distinct experts the calls touch (mean over
   the pool), plus the shared expert where computed (never for a model
   without one, ``shape.shared_experts`` 0); ``tb_s`` =
@@ -231,11 +231,10 @@ def distinct_experts(logits: torch.Tensor, bias: torch.Tensor | None, shape: MoE
     return statistics.mean(len(torch.unique(ids[p])) for p in range(ids.shape[0]))
 
 
-def time_graph(calls, reps: int, warmup: int = 3, warmup_s: float | None = None) -> list[float]:
+def time_graph(calls, reps: int, warmup: int = 3) -> list[float]:
     """Per-call microseconds of each replay of a graph of ``calls``
-    (callables), after at least ``warmup`` untimed replays and ``warmup_s``
-    seconds of them (default ``WARMUP_S``)."""
-    warmup_s = WARMUP_S if warmup_s is None else warmup_s
+    (callables), after at least ``warmup`` untimed replays and ``WARMUP_S``
+    seconds of them."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -247,7 +246,7 @@ def time_graph(calls, reps: int, warmup: int = 3, warmup_s: float | None = None)
         for call in calls:
             call()
     began, replays = time.perf_counter(), 0
-    while replays < warmup or time.perf_counter() - began < warmup_s:
+    while replays < warmup or time.perf_counter() - began < WARMUP_S:
         graph.replay()
         torch.cuda.synchronize()
         replays += 1
