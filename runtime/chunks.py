@@ -7,9 +7,13 @@ of the largest bucket in row order, then one final piece of the remainder
 (which the layer pads up to its own bucket: ``runtime.plan``). So at most one
 piece is partial, and it is the last.
 
-``run_chunked(layer, x, logits, bias)`` runs the plan: every piece is one layer
-call on a row slice of the caller's tensors, and its BF16 result is copied
-into one preallocated [M, H] output. Only device ops and layer calls, no host
+``run_chunked(layer, x, logits, bias)`` runs the plan into one preallocated
+[M, H] output: a layer with ``launch_rows`` (``runtime.moe.MoELayer``) runs
+every full piece as one launch whose kernel reads the piece's rows of the
+caller's tensors and writes its rows of the output in place (no views, no
+copies, one host path for all of them); any other piece (the partial last
+one, or every piece of a layer without it) is one layer call on a row slice
+of the caller's tensors, its BF16 result copied into the output. Only device ops and layer calls, no host
 sync: it can be captured in a CUDA graph (one graph per M, as for the layer).
 Every token's output depends on its own row only (routing and experts are per
 token), so chunked results equal unchunked ones row for row.
@@ -30,7 +34,10 @@ chunks read it once per chunk.
 The layer protocol used here (``runtime.moe.MoELayer`` has it): ``shape``
 (``hidden``, ``experts``), ``device``, ``dtypes`` (the logits dtype names it
 serves), ``tables`` (logits dtype name -> {M: step} for every M one call
-serves), ``poison`` (optional) and ``__call__(x, logits, bias)`` -> BF16 [M, H].
+serves), ``poison`` (optional), ``launch_rows(x, logits, bias, out, starts,
+rows)`` -> bool (optional: launches the pieces of ``rows`` rows at ``starts``
+into ``out`` in place, or returns False having launched nothing) and
+``__call__(x, logits, bias)`` -> BF16 [M, H].
 """
 
 from __future__ import annotations
@@ -122,6 +129,14 @@ def run_chunked(layer, x, logits, bias, out: torch.Tensor | None = None) -> torc
         out = torch.empty(m, hidden, dtype=torch.bfloat16, device=layer.device)
     if getattr(layer, "poison", False):
         out.fill_(float("nan"))
+    # The full pieces, straight into their rows of ``out`` where the layer can
+    # (``MoELayer.launch_rows``: no views, no copies); the rest, and every
+    # piece of a layer that cannot, one layer call each and a copy.
+    largest = sizes[-1]
+    direct = getattr(layer, "launch_rows", None)
+    full = [start for start, rows in pieces if rows == largest]
+    if full and direct is not None and direct(x, logits, bias, out, full, largest):
+        pieces = [(start, rows) for start, rows in pieces if rows != largest]
     for start, rows in pieces:
         out[start : start + rows].copy_(_call(layer, x, logits, bias, start, rows, sizes))
     return out

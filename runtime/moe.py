@@ -283,6 +283,52 @@ class MoELayer:
         device: ``x`` and ``logits`` at the bucket's rows, ``block`` the
         call's output block (``self.layouts[variant.name]``; with ``scratch``
         only its ``final``, the other outputs going to the stream's scratch)."""
+        self._issue(variant, scratch, lambda plan, stream: plan.launch(stream, x, logits, bias,
+                                                                       block))  # fmt: skip
+
+    def launch_rows(self, x, logits, bias, out, starts, rows: int) -> bool:
+        """For row chunks (``runtime.chunks.run_chunked``): launches, for each
+        start s of ``starts``, the variant that serves ``rows`` tokens at its
+        own bucket on rows s .. s + rows - 1 of ``x`` and ``logits``, its
+        ``final`` written straight into the same rows of ``out`` (dense BF16
+        [M, H]; every chunk's other outputs go to the stream's scratch). No
+        views, no copies: addresses offset by whole rows, so each launch reads
+        and writes the caller's dense rows as a call on row slices would.
+        Returns False, launching nothing, where no final-writing variant
+        serves ``rows`` without padding; the caller then takes the layer call
+        per chunk. The caller has checked the whole call (dtypes, shapes,
+        device, density, alignment: row offsets keep 16-byte alignment since
+        H is a multiple of 128 and E of 32)."""
+        dtype = _DTYPE_NAMES[logits.dtype]
+        step = self.tables[dtype].get(rows)
+        if step is None or step.bucket != rows:
+            return False
+        variant = self._variant(step, dtype)
+        if variant.name not in self.final_writers:
+            return False
+        self._launch_rows(variant, x, logits, bias, out, starts)
+        return True
+
+    def _launch_rows(self, variant, x, logits, bias, out, starts) -> None:
+        """``launch_rows``'s launches of ``variant`` (one host path, then one
+        ``CallPlan.launch_at`` per start)."""
+        row_x, row_logits = x.stride(0) * x.element_size(), logits.stride(0) * logits.element_size()
+        x0, logits0, out0 = x.data_ptr(), logits.data_ptr(), out.data_ptr()
+        b = 0 if bias is None else bias.data_ptr()
+
+        def launch(plan, stream):
+            for s in starts:
+                plan.launch_at(stream, (x0 + s * row_x, logits0 + s * row_logits, b), 0,
+                               out0 + s * row_x)  # fmt: skip
+
+        self._issue(variant, True, launch)
+
+    def _issue(self, variant, scratch: bool, launch) -> None:
+        """Runs ``launch(plan, stream)`` for ``variant``'s plan on torch's
+        current stream of the layer's device (with ``scratch``: the plan whose
+        outputs but ``final`` go to the stream's scratch), with the device's
+        context current and, when the stream is being captured, the layer
+        held by the graph."""
         graphs.release()
         stream = current_stream(self.ordinal)
         plan = self._plan(variant, stream, scratch)
@@ -294,17 +340,17 @@ class MoELayer:
         # torch's current device to this layer's (the CUDA runtime takes the
         # thread's current context as its device).
         if driver.context_is_current(self.ordinal):
-            self._issue(plan, stream, capturing, x, logits, bias, block)
+            self._held_launch(plan, stream, capturing, launch)
         else:
             with driver.context(self.ordinal):
-                self._issue(plan, stream, capturing, x, logits, bias, block)
+                self._held_launch(plan, stream, capturing, launch)
 
-    def _issue(self, plan, stream: int, capturing: bool, x, logits, bias, block) -> None:
+    def _held_launch(self, plan, stream: int, capturing: bool, launch) -> None:
         if capturing:
             # A graph being captured keeps this layer (weights, rows, maps,
             # the artifact's workspaces and libraries) alive: runtime.graphs.
             graphs.hold(stream, self)
-        plan.launch(stream, x, logits, bias, block)
+        launch(plan, stream)
 
     def _plan(self, variant, stream: int, scratch: bool = False) -> CallPlan:
         """``variant``'s plan on ``stream`` (with ``scratch``: its outputs but
@@ -463,16 +509,23 @@ class CallPlan:
         ``block`` of this plan's layout, on ``stream``."""
         # A model without a bias passes None: its kernels never read it.
         addresses = (x.data_ptr(), logits.data_ptr(), 0 if bias is None else bias.data_ptr())
+        base = block.data_ptr() if self.outputs else 0
+        final = block.final.data_ptr() if self.final_slot is not None else 0
+        self.launch_at(stream, addresses, base, final)
+
+    def launch_at(self, stream: int, addresses: tuple, base: int, final: int) -> None:
+        """One call by addresses: ``addresses`` of x, logits and bias (0 for
+        none) in INPUTS order, ``base`` the output block's (read only where
+        this plan has output slots), ``final`` the MoE output's (read only
+        where ``final`` is a tensor of its own)."""
         values = self.parameters.values
         with self._lock:
             for i, j in self.inputs:
                 values[i] = addresses[j]
-            if self.outputs:
-                base = block.data_ptr()
-                for i, offset in self.outputs:
-                    values[i] = base + offset
+            for i, offset in self.outputs:
+                values[i] = base + offset
             if self.final_slot is not None:
-                values[self.final_slot] = block.final.data_ptr()
+                values[self.final_slot] = final
             self.launcher.launch(stream, self.parameters)
 
 

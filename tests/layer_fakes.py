@@ -14,7 +14,7 @@ import torch
 from kernels import abi
 from runtime.artifact import Launch, Variant, WorkspaceNeed
 from runtime.model import MoEShape
-from runtime.moe import MoELayer, computes_shared, writes_final
+from runtime.moe import MoELayer, _Block, computes_shared, writes_final
 
 SHAPE = MoEShape(**fx.SMALL_MODEL)
 
@@ -97,7 +97,7 @@ class TaggedLayer(MoELayer):
 
     def __init__(self, *args, skip=(), **kwargs):
         super().__init__(*args, **kwargs)
-        self.skip, self.calls = skip, []
+        self.skip, self.calls, self.direct = skip, [], []
 
     def _launch(self, variant, x, logits, bias, block, scratch=False):
         bucket = variant.tokens
@@ -115,6 +115,15 @@ class TaggedLayer(MoELayer):
             # outputs go to the stream's scratch, which nobody reads back).
             if name not in self.skip and (name == "final" or not scratch):
                 layout.view(block, name).copy_(value)
+
+    def _launch_rows(self, variant, x, logits, bias, out, starts):
+        # What the kernel does at each start's addresses, as tensors: the
+        # bucket's rows in, ``final`` into the same rows of ``out``.
+        rows = variant.tokens
+        self.direct.append((variant.name, list(starts)))
+        for s in starts:
+            block = _Block(None, out[s : s + rows])
+            self._launch(variant, x[s : s + rows], logits[s : s + rows], bias, block, True)
 
 
 class ReferenceLayer:

@@ -28,7 +28,7 @@ from runtime.errors import InputError
 from runtime.inputs import ALIGN, check_call, check_weights
 from runtime.layout import random_moe_weights
 from runtime.model import MoEShape
-from runtime.moe import OUTPUT_ALIGN, OUTPUTS, OutputLayout
+from runtime.moe import OUTPUT_ALIGN, OUTPUTS, OutputLayout, _Block
 from runtime.plan import pad_rows, pad_sources
 
 SHAPE = MoEShape(**fx.SMALL_MODEL)
@@ -365,6 +365,36 @@ def test_padding_repeats_the_last_row():
         assert torch.equal(pad_rows(t, bucket, pad_sources(64)[m - 1, :bucket]), want)
     full = torch.randn(8, 7, generator=g)
     assert pad_rows(full, 8) is full
+
+
+def test_row_launches_address_the_callers_rows(tmp_path, fake, weights):
+    """``launch_rows`` (the full chunks of a call above the largest bucket):
+    one launch per start, in the order given, each launching what a scratch
+    call on that start's rows launches, with x, logits and final at those
+    rows of the caller's tensors and no other slot moved; an M served only
+    with padding launches nothing and answers False."""
+    layer = _layer(tmp_path, fake, weights)
+    fake.make_current(0)
+    v = layer.variants["grouped-sm_90a-m8-float32-final"]
+    m, h, e = 24, SHAPE.hidden, SHAPE.experts
+    x = move(torch.zeros(m, h, dtype=torch.bfloat16), 0)
+    logits = move(torch.zeros(m, e), 0)
+    bias = move(torch.zeros(e), 0)
+    out = move(torch.zeros(m, h, dtype=torch.bfloat16), 0)
+    final = move(torch.zeros(8, h, dtype=torch.bfloat16), 0)
+    layer._launch(v, x, logits, bias, _Block(None, final), scratch=True)
+    want = fake.launches[-1][3]
+    starts = [0, 16, 8]
+    assert layer.launch_rows(x, logits, bias, out, starts, 8)
+    launched = fake.launches[-3:]
+    for s, (function, _, context, values) in zip(starts, launched, strict=True):
+        assert function == ("function", v.entry, 0) and context == 0
+        rows = {"x": x.data_ptr() + s * h * 2, "logits": logits.data_ptr() + s * e * 4,
+                "final": out.data_ptr() + s * h * 2}  # fmt: skip
+        assert values == {**want, **rows}, s
+    count = len(fake.launches)
+    assert not layer.launch_rows(x, logits, bias, out, [0], 5)  # grouped m8, padded
+    assert len(fake.launches) == count
 
 
 # Capture and context ----------------------------------------------------------------------

@@ -118,9 +118,10 @@ def _inputs(m, dtype=torch.float32):
 @pytest.mark.parametrize("final", [True, False], ids=["mega-final", "mega-combine"])
 def test_run_chunked_equals_the_per_token_outputs(weights, m, dtype, final):
     """Every row of the chunked output is its token's own output; the layer
-    is called once per piece of the plan, on that piece's rows (padded by
-    the layer to its bucket with copies of the piece's last row). Mega
-    variants writing ``final`` and ones whose rows the layer combines."""
+    launches once per piece of the plan, on that piece's rows (padded by the
+    layer to its bucket with copies of the piece's last row), the full
+    pieces by ``launch_rows`` into their rows of the output. Mega variants
+    writing ``final`` and ones whose rows the layer combines."""
     layer = _layer(weights, variants=_variants(final), poison=True)
     x, logits, bias = _inputs(m, dtype)
     got = run_chunked(layer, x, logits, bias)
@@ -128,6 +129,10 @@ def test_run_chunked_equals_the_per_token_outputs(weights, m, dtype, final):
     assert torch.equal(got, tags(x, logits, SHAPE.top_k)["final"]), seeding.rerun_hint()
     plan = chunk_plan(m, GLM5_BUCKETS)
     assert len(layer.calls) == len(plan)
+    # The full pieces (above 64 rows) go straight into their rows, one host path.
+    full = [start for start, rows in plan if rows == 64 and m > 64]
+    assert layer.direct == ([("grouped-sm_90a-m64-" + dtype_name(dtype) + "-final", full)]
+                            if full else [])  # fmt: skip
     for (name, padded, _), (start, rows) in zip(layer.calls, plan, strict=True):
         bucket = bucket_for(rows, GLM5_BUCKETS)
         assert padded.shape[0] == bucket and f"-m{bucket}-" in name
@@ -135,6 +140,22 @@ def test_run_chunked_equals_the_per_token_outputs(weights, m, dtype, final):
         assert torch.equal(
             padded[rows:], x[start + rows - 1 : start + rows].expand(bucket - rows, -1)
         )
+
+
+def test_full_pieces_without_a_final_writer_take_the_layer_call(weights):
+    """With no grouped variant that finalizes, a 64-row piece cannot go
+    straight into ``out``: every piece is a layer call (the layer sums the
+    routes), and the rows are still each token's own."""
+    plain = [v for v in VARIANTS if not (v.kernel == "grouped" and v.finalize)]
+    layer = _layer(weights, variants=plain)
+    x, logits, bias = _inputs(150)
+    got = run_chunked(layer, x, logits, bias)
+    assert torch.equal(got, tags(x, logits, SHAPE.top_k)["final"])
+    assert layer.direct == [] and len(layer.calls) == 3
+
+
+def dtype_name(dtype) -> str:
+    return {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]
 
 
 def test_out_buffer_and_poison(weights, monkeypatch):
