@@ -24,7 +24,7 @@ token rows of 128 K bytes, ``b_chunk``; ``group`` = the plan's tokens of a
 unit), ``ring`` the column scales (``ring_index``: ring stages x depth x
 group FP32), ``hs`` each gatherer's hidden scales [group, I/128], ``amax``
 four warps' per-token amax, then the
-unit tables ``picks`` (ids), ``mask`` (two words per expert, ``mask_slot``),
+unit tables ``picks`` (ids), ``mask`` (``mask_words`` per expert, ``mask_slot``),
 ``eoff``, ``uexp``, ``uoff``, ``ucnt``, ``flat``, the scalars ``scal`` (call
 parity and ``grouped_plan.RANGE_SCALARS``), ``desc`` (posts stage words),
 ``bar`` (full[stages], empty[stages], acc_full[slots], acc_empty[slots],
@@ -198,7 +198,8 @@ class Tables:
         return view(self.base + offset, dtype, n)
 
     picks = property(lambda t: t._view(t.layout.off_picks, Int32, t.plan.routes))
-    mask = property(lambda t: t._view(t.layout.off_mask, Uint32, 2 * t.plan.experts))
+    mask = property(lambda t: t._view(t.layout.off_mask, Uint32,
+                                      t.plan.mask_words * t.plan.experts))  # fmt: skip
     eoff = property(lambda t: t._view(t.layout.off_eoff, Int32, t.plan.experts))
     uexp = property(lambda t: t._view(t.layout.off_uexp, Int32, t.plan.max_units))
     uoff = property(lambda t: t._view(t.layout.off_uoff, Int32, t.plan.max_units + 1))
@@ -571,7 +572,8 @@ class GroupedCommon:
     def start_call(self, t: Tables, counters: Int64, logits: Int64, bias: Int64, ids: Int64,
                    weights: Int64, x: Int64, plan_x: Int64, plan_s: Int64, cta: Int32,
                    tid: Int32, warp: Int32, lane: Int32):  # fmt: skip
-        """After the PDL wait: CTA t < M routes and quantizes token t; every CTA
+        """After the PDL wait: CTA c routes and quantizes tokens c, c + grid, ...
+        (token c alone where M <= grid); every CTA
         learns its call parity, zeroes its slice of the other parity's counters
         (the next call's) and waits until every token is in the plan. Returns
         this call's counter block."""
@@ -583,17 +585,27 @@ class GroupedCommon:
         if cutlass.const_expr(self.stamps):
             if tid == 0:
                 self.clear_stamps(t, cta)
-        if cta < self.tokens:
-            if warp == 0:
-                self.route(logits, bias, ids, weights, cta, lane)
-                if cutlass.const_expr(self.stamps):
-                    if lane == 0:
-                        self.stamp(t, "route_done")
-            elif warp >= self.EPILOGUE_WARP:
-                self.quantize(x, plan_x, plan_s, cta, tid - self.EPILOGUE_WARP * 32)
-                if cutlass.const_expr(self.stamps):
-                    if tid == self.EPILOGUE_WARP * 32:
-                        self.stamp(t, "quantized")
+        if cutlass.const_expr(self.tokens <= self.grid):
+            if cta < self.tokens:
+                if warp == 0:
+                    self.route(logits, bias, ids, weights, cta, lane)
+                    if cutlass.const_expr(self.stamps):
+                        if lane == 0:
+                            self.stamp(t, "route_done")
+                elif warp >= self.EPILOGUE_WARP:
+                    self.quantize(x, plan_x, plan_s, cta, tid - self.EPILOGUE_WARP * 32)
+                    if cutlass.const_expr(self.stamps):
+                        if tid == self.EPILOGUE_WARP * 32:
+                            self.stamp(t, "quantized")
+                ptx.fence_acq_rel_gpu()
+        else:
+            # More tokens than CTAs (a bucket above the SM count): CTA c takes
+            # tokens c, c + grid, ...
+            for token in cutlass.range(cta, self.tokens, self.grid, unroll=1):
+                if warp == 0:
+                    self.route(logits, bias, ids, weights, token, lane)
+                elif warp >= self.EPILOGUE_WARP:
+                    self.quantize(x, plan_x, plan_s, token, tid - self.EPILOGUE_WARP * 32)
             ptx.fence_acq_rel_gpu()
         cute.arch.sync_threads()
         if cutlass.const_expr(self.stamps):
@@ -608,7 +620,12 @@ class GroupedCommon:
                 ptx.st_global_u32(other + Int64(cta * per_cta + i) * 4, Uint32(0))
         if tid == 0:
             if cta < self.tokens:
-                ptx.red_add_release_gpu_u32(mine, Uint32(1))
+                # One count per token this CTA put in the plan.
+                if cutlass.const_expr(self.tokens <= self.grid):
+                    ptx.red_add_release_gpu_u32(mine, Uint32(1))
+                else:
+                    ptx.red_add_release_gpu_u32(
+                        mine, Uint32((self.tokens - 1 - cta) // self.grid + 1))  # fmt: skip
             wait_at_least(mine, Uint32(self.tokens))
         cute.arch.sync_threads()
         ptx.fence_acq_rel_gpu()
@@ -628,14 +645,15 @@ class GroupedCommon:
         experts, routes = self.experts, self.routes
         mask, picks, eoff, flat = t.mask, t.picks, t.eoff, t.flat
         uexp, uoff, ucnt = t.uexp, t.uoff, t.ucnt
-        for i in cutlass.range(tid, 2 * experts, THREADS, unroll=1):
+        words = self.plan.mask_words
+        for i in cutlass.range(tid, words * experts, THREADS, unroll=1):
             mask[i] = Uint32(0)
         for r in cutlass.range(tid, routes, THREADS, unroll=1):
             picks[r] = Int32(ptx.ld_global_cg_u32(ids + Int64(r) * 4))
         cute.arch.sync_threads()
         mask_addr = t.base + self.layout.off_mask
         for r in cutlass.range(tid, routes, THREADS, unroll=1):
-            word, bit = gp.mask_slot(picks[r], r // self.top_k)
+            word, bit = gp.mask_slot(picks[r], r // self.top_k, words)
             ptx.red_or_shared_u32(mask_addr + word * 4, Uint32(1) << Uint32(bit))
         cute.arch.sync_threads()
         if warp == 0:
@@ -645,7 +663,10 @@ class GroupedCommon:
             count = Int32(0)
             for j in cutlass.range_constexpr(per):
                 e = lane * per + j
-                counts[j] = Int32(cute.arch.popc(mask[2 * e]) + cute.arch.popc(mask[2 * e + 1]))
+                n = Int32(0)
+                for w in cutlass.range_constexpr(words):
+                    n = n + Int32(cute.arch.popc(mask[words * e + w]))
+                counts[j] = n
                 count = count + counts[j]
                 distinct = distinct + gp.units_of(counts[j], self.group)
             units = distinct
@@ -690,10 +711,11 @@ class GroupedCommon:
     def rank_routes(self, t: Tables, i: Int32):
         """``flat``: each expert's routes in token order (rows ``eoff[e]``..)."""
         mask, picks, eoff, flat = t.mask, t.picks, t.eoff, t.flat
+        words = self.plan.mask_words
         for r in cutlass.range(i, self.routes, THREADS - 32, unroll=1):
             e = picks[r]
-            rank = gp.rank_in_mask(r // self.top_k, mask[2 * e], lambda e=e: mask[2 * e + 1],
-                                   cute.arch.popc, branch, Uint32)  # fmt: skip
+            rank = gp.rank_in_mask(r // self.top_k, lambda w, e=e: mask[words * e + w], words,
+                                   cute.arch.popc, select, Uint32)  # fmt: skip
             flat[eoff[e] + Int32(rank)] = r
 
     def ranges(self, t: Tables, units: Int32, cta: Int32):

@@ -293,6 +293,7 @@ class GroupedPlan:
     unit1 = property(lambda self: self.pairs * self.span)  # FC1 stages of a unit
     job = property(lambda self: self.nk2 // self.depth)  # FC2 stages of a job
     routes = property(lambda self: self.tokens * self.top_k)
+    mask_words = property(lambda self: mask_words(self.tokens))  # route-mask words an expert
     group = property(lambda self: unit_group(self.tokens, self.arch))  # tokens of a unit
     shared_units = property(lambda self: ceil_div(self.tokens, self.group) * self.shared_experts)
     max_units = property(
@@ -428,7 +429,7 @@ def smem_layout(plan: GroupedPlan, stages: int, gatherers: int, slots: int = 0) 
     r.take("hs", gatherers * w * plan.nk2 * 4)
     r.take("amax", 4 * w * 4)
     r.take("picks", plan.routes * 4)
-    r.take("mask", plan.experts * 8)
+    r.take("mask", plan.experts * plan.mask_words * 4)
     r.take("eoff", plan.experts * 4)
     r.take("uexp", plan.max_units * 4)
     r.take("uoff", plan.max_units * 4 + 4)
@@ -511,21 +512,33 @@ def unit_size(count, first, group: int, minimum=min):
     return minimum(count - first, group)
 
 
-def mask_slot(expert, token):
-    """(word, bit) of ``token`` in the route masks: expert e's tokens are
-    words 2e (tokens 0-31) and 2e + 1 (tokens 32-63) of ``mask``."""
-    return 2 * expert + token // 32, token % 32
+def mask_words(tokens: int) -> int:
+    """Route-mask words (uint32) of each expert in a call of ``tokens``
+    tokens: one bit per token."""
+    return ceil_div(tokens, 32)
 
 
-def rank_in_mask(token, low, high, popc=int.bit_count, branch=choose, word=_word):
-    """How many of an expert's tokens come before ``token``, from its mask
-    words ``low`` (tokens 0-31) and ``high()`` (32-63, read only for a token
-    >= 32): the route's row in the expert's part of ``flat``."""
-    return branch(
-        token < 32,
-        lambda: popc(low & ((word(1) << word(token)) - word(1))),
-        lambda: popc(low) + popc(high() & ((word(1) << word(token - 32)) - word(1))),
-    )
+def mask_slot(expert, token, words: int):
+    """(word, bit) of ``token`` in the route masks, ``words`` words an
+    expert (``mask_words``): expert e's tokens 32 w .. 32 w + 31 are word
+    ``words * e + w`` of ``mask``."""
+    return words * expert + token // 32, token % 32
+
+
+def rank_in_mask(token, word_at, words: int, popc=int.bit_count, select=pick, word=_word):
+    """How many of an expert's tokens come before ``token``, from its
+    ``words`` mask words (``word_at(w)``: tokens 32 w .. 32 w + 31): every
+    token of the words below token's, and those of its own word below its
+    bit; the route's row in the expert's part of ``flat``."""
+    rank = 0
+    for w in range(words):
+        m = word_at(w)
+        bit = token - 32 * w  # token's bit in word w, where 0 <= bit < 32
+        below = popc(
+            m & ((word(1) << word(select(bit > 0, select(bit < 32, bit, 31), 0))) - word(1))
+        )
+        rank = rank + select(bit >= 32, popc(m), select(bit >= 0, below, 0))
+    return rank
 
 
 # Stage ranges and ownership ------------------------------------------------------------
@@ -775,11 +788,12 @@ def number_units(plan: GroupedPlan, ids: list[list[int]]) -> Units:
     expert's (``rank_in_mask``)."""
     tokens, k, experts = plan.tokens, plan.top_k, plan.experts
     assert len(ids) == tokens and all(len(row) == k for row in ids)
-    mask = [0] * (2 * experts)
+    words = plan.mask_words
+    mask = [0] * (words * experts)
     for r in range(plan.routes):
-        word, bit = mask_slot(ids[r // k][r % k], r // k)
+        word, bit = mask_slot(ids[r // k][r % k], r // k, words)
         mask[word] |= 1 << bit
-    counts = [mask[2 * e].bit_count() + mask[2 * e + 1].bit_count() for e in range(experts)]
+    counts = [sum(mask[words * e + w].bit_count() for w in range(words)) for e in range(experts)]
     g = plan.group
     units = plan.shared_units + sum(units_of(n, g) for n in counts)
     uexp, uoff, ucnt = [0] * units, [0] * (units + 1), [0] * units
@@ -796,5 +810,6 @@ def number_units(plan: GroupedPlan, ids: list[list[int]]) -> Units:
     uoff[units] = start
     for r in range(plan.routes):
         e = ids[r // k][r % k]
-        flat[eoff[e] + rank_in_mask(r // k, mask[2 * e], lambda e=e: mask[2 * e + 1])] = r
+        rank = rank_in_mask(r // k, lambda w, e=e: mask[words * e + w], words)
+        flat[eoff[e] + rank] = r
     return Units(uexp, uoff, ucnt, flat, eoff)

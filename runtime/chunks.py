@@ -1,7 +1,8 @@
-"""Any number of tokens through a layer that serves 1..64: row chunks.
+"""Any number of tokens through a layer that serves 1..B in one launch: row chunks.
 
-A layer call serves M up to its largest token bucket (64 for the built
-artifacts). ``chunk_plan(m, buckets)`` splits M >= 1 rows into pieces that one
+A layer call serves M up to its largest token bucket B (128 for the glm5
+build, 64 for the other configs; ``runtime.constants.MAX_TOKENS`` bounds
+it). ``chunk_plan(m, buckets)`` splits M >= 1 rows into pieces that one
 call each serves: M up to the largest bucket is one piece; above it, pieces
 of the largest bucket in row order, then one final piece of the remainder
 (which the layer pads up to its own bucket: ``runtime.plan``). So at most one
@@ -21,12 +22,13 @@ token), so chunked results equal unchunked ones row for row.
 What a chunk costs. Decode MoE is bound by the weight bytes a call reads
 (docs/semantics.md, "Sizes"), and each chunk is a separate call: it re-reads
 every expert its tokens route to. A chunk of the largest bucket reads about
-as many bytes as one M = 64 call (on the glm5 shard, random routing touches
-~241 of 288 experts, most of the layer; ~220 us on the H200: the README's
-"Performance", examples/README.md), so N chunks cost about N times that,
-however few tokens each expert gets. A grouped GEMM over all M tokens reads each expert once
-and is bound by the weights up to thousands of tokens. So chunking is for
-the occasional decode batch just above 64 (a few chunks); beyond a few
+as many bytes as one call of that bucket (on the glm5 shard, uniform
+routing touches ~280 of 288 experts at M = 128, nearly the whole layer;
+~470 us on the H200: docs/notes/grouped-sm90.md, "Buckets above 64"), so N
+chunks cost about N times that, however few tokens each expert gets. A
+grouped GEMM over all M tokens reads each expert once and is bound by the
+weights up to thousands of tokens. So chunking is for the occasional decode
+batch above the largest bucket (a few chunks); beyond a few
 hundred tokens per call (prefill), a server should route the call to a
 compute-bound grouped-GEMM path instead, which reads each expert once where
 chunks read it once per chunk.

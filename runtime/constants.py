@@ -14,7 +14,7 @@ TILE = 128
 FP8_MAX = 448.0
 #: Largest token count M any kernel serves (grouped plan, workspace sizes,
 #: the layer's dispatch table).
-MAX_TOKENS = 64
+MAX_TOKENS = 128
 
 #: The kernels an artifact can hold, and the archs they are built for.
 KERNELS = ("mega", "grouped")

@@ -32,7 +32,7 @@ def needed_bytes(layout: gp.SmemLayout, plan: gp.GroupedPlan) -> dict[str, int]:
         "hs": layout.gatherers * w * plan.nk2 * f32,  # each gatherer's [group, nk2]
         "amax": 4 * w * f32,  # four warps' per-token amax
         "picks": plan.routes * 4,
-        "mask": 2 * plan.experts * 4,  # uint32 pairs: 64 bits per expert
+        "mask": plan.experts * -(-plan.tokens // 32) * 4,  # one bit per token and expert
         "eoff": plan.experts * 4,
         "uexp": plan.max_units * 4,
         "uoff": (plan.max_units + 1) * 4,

@@ -268,14 +268,14 @@ MUTATIONS = (
     ),
     Mutation(
         "grouped-mask-slot-word", "kernels/grouped_plan.py",
-        "return 2 * expert + token // 32, token % 32",
+        "return words * expert + token // 32, token % 32",
         "return expert + token // 32, token % 32",
         ("tests/test_grouped_plan.py::test_number_units",),
     ),
     Mutation(
-        "grouped-rank-skips-the-low-word", "kernels/grouped_plan.py",
-        "lambda: popc(low) + popc(high()",
-        "lambda: popc(high()",
+        "grouped-rank-skips-the-lower-words", "kernels/grouped_plan.py",
+        "rank = rank + select(bit >= 32, popc(m), select(bit >= 0, below, 0))",
+        "rank = rank + select(bit >= 32, 0, select(bit >= 0, below, 0))",
         ("tests/test_grouped_plan.py::test_number_units",),
     ),
     Mutation(

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from pipeline.cli import main
 from pipeline.config import KERNEL_SERVES, ConfigError, load_config, validate
 from pipeline.variants import expand
-from runtime.constants import KERNELS
+from runtime.constants import KERNELS, MAX_TOKENS
 
 ROOT = Path(__file__).resolve().parents[1]
 GLM5 = ROOT / "configs" / "glm5.yaml"
@@ -38,7 +38,7 @@ def test_glm5_resolves():
     assert {t.arch for t in cfg.targets} == {"sm_90a", "sm_100a"}
     assert set(cfg.logits_dtypes) == {"float32", "bfloat16"}
     assert max(cfg.kernels["mega"].tokens) < min(cfg.kernels["grouped"].tokens)
-    assert max(cfg.kernels["grouped"].tokens) == 64
+    assert max(cfg.kernels["grouped"].tokens) == MAX_TOKENS
 
 
 def test_variants_cover_every_combination():
@@ -87,8 +87,13 @@ BAD = [
     (("model", "routed_scale"), -1.0, "model.routed_scale", "finite positive"),
     (("kernels", "mega", "tokens"), [], "kernels.mega.tokens", "must not be empty"),
     (("kernels", "mega", "tokens"), [1, 1, 2], "kernels.mega.tokens", "duplicate"),
-    (("kernels", "grouped", "tokens"), [8, 65], "kernels.grouped.tokens", "1..64"),
-    (("kernels", "grouped", "tokens"), [0, 8], "kernels.grouped.tokens", "1..64"),
+    (
+        ("kernels", "grouped", "tokens"),
+        [8, MAX_TOKENS + 1],
+        "kernels.grouped.tokens",
+        f"1..{MAX_TOKENS}",
+    ),
+    (("kernels", "grouped", "tokens"), [0, 8], "kernels.grouped.tokens", f"1..{MAX_TOKENS}"),
     (("kernels", "grouped", "finalize"), [True, True], "kernels.grouped.finalize", "duplicate"),
     (("kernels", "mega", "finalize"), [True], "kernels.mega.finalize", "unknown key"),
     (("kernels", "tiny"), {"tokens": [1]}, "kernels.tiny", "unknown kernel"),
@@ -158,7 +163,7 @@ def test_cli_validate_ok_and_bad(tmp_path):
     runner = CliRunner()
     ok = runner.invoke(main, ["validate", str(GLM5)])
     assert ok.exit_code == 0, ok.output
-    assert "mega-sm_90a-m1-float32" in ok.output and "56 variants" in ok.output
+    assert "mega-sm_90a-m1-float32" in ok.output and "72 variants" in ok.output
     raw = copy.deepcopy(glm5_raw())
     raw["model"]["top_k"] = "eight"
     bad = tmp_path / "bad.yaml"

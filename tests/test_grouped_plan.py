@@ -76,7 +76,7 @@ def test_unit_widths():
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("tokens", [8, 16, 17, 32, 48, 64])
+@pytest.mark.parametrize("tokens", [8, 16, 17, 32, 48, 64, 96, 128])
 def test_unit_capacity_is_reached(tokens, arch):
     """An adversarial routing of the real shape has exactly capacity units
     (greedy: one route per expert, then ``group`` more routes per extra unit)."""
@@ -121,7 +121,10 @@ def random_routing(p, rng, skew):
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("shared", [1, 0])
-@pytest.mark.parametrize("tokens,skew", [(8, 1), (16, 1), (32, 8), (48, 20), (64, 1), (64, 30)])
+@pytest.mark.parametrize(
+    "tokens,skew",
+    [(8, 1), (16, 1), (32, 8), (48, 20), (64, 1), (64, 30), (96, 4), (128, 1), (128, 30)],
+)
 def test_number_units(tokens, skew, shared, arch):
     rng = random.Random(tokens * 1000 + skew)
     p = plan(tokens=tokens, shared_experts=shared, arch=arch)
@@ -455,7 +458,7 @@ def test_workspaces_and_counters():
     assert rows == max(gp.unit_capacity(p.experts, p.top_k, MAX_TOKENS, g) * g for g in gp.GROUPS)
     assert ws["hidden"].bytes == rows * p.inter and ws["hscale"].bytes == rows * p.nk2 * 4
     # Every bucket's tables, on every arch, fit the MAX_TOKENS-sized workspaces.
-    for tokens in (8, 16, 32, 48, 64):
+    for tokens in (8, 16, 32, 48, 64, 96, 128):
         for arch in ARCHS:
             q = plan(tokens=tokens, arch=arch)
             assert q.max_units <= units and q.max_units * q.group <= rows
@@ -497,7 +500,7 @@ def test_call_counter_and_parity_words_never_overlap(hidden, inter, experts, top
     assert len(block) == 1 + units * pairs + units + 2 + 1  # the documented counters
     assert 0 <= min(block) and max(block) < c.words
     for grid in GRIDS:
-        for tokens in (1, 8, 64):
+        for tokens in (1, 8, 64, 128):
             assert gp.GroupedPlan(hidden, inter, experts, top_k, tokens, grid).counters == c
         blocks = [{parity * c.words + w for w in block} for parity in (0, 1)]
         assert not blocks[0] & blocks[1]
@@ -593,7 +596,7 @@ def test_plan_refuses_unservable_shapes():
     with pytest.raises(ValueError, match="multiple of 32"):
         gp.GroupedPlan(4096, 512, 100, 8, 64, 132)
     with pytest.raises(ValueError, match="tokens"):
-        gp.GroupedPlan(4096, 512, 288, 8, 65, 132)
+        gp.GroupedPlan(4096, 512, 288, 8, MAX_TOKENS + 1, 132)
     with pytest.raises(ValueError, match="positive multiples of 128"):
         gp.GroupedPlan(4096, 320, 288, 8, 64, 132)
     with pytest.raises(ValueError, match="at most 64 blocks of 128"):

@@ -24,6 +24,7 @@ from layer_fakes import FakeArtifact, TaggedLayer
 import runtime.inputs
 from benchmarks.host_path import NullDriver, cpu_layer, inputs, variants
 from runtime import driver, graphs
+from runtime.constants import MAX_TOKENS
 from runtime.errors import InputError
 from runtime.inputs import ALIGN, check_call, check_weights
 from runtime.layout import random_moe_weights
@@ -481,9 +482,9 @@ def test_checks_after_an_accepted_call_refuse_as_before(which, fault, monkeypatc
     with pytest.raises(InputError) as warm:
         check_call(*bad.values(), SHAPE, CPU, BOTH)
     assert str(warm.value) == str(cold.value)
-    for m in (0, 65):  # M out of range, after the cache too
+    for m in (0, MAX_TOKENS + 1):  # M out of range, after the cache too
         x, logits = (good[n][:1].expand(m, -1).contiguous() for n in ("x", "logits"))
-        with pytest.raises(InputError, match=rf"in 1..64, found {m}"):
+        with pytest.raises(InputError, match=rf"in 1..{MAX_TOKENS}, found {m}"):
             check_call(x, logits, good["bias"], SHAPE, CPU, BOTH)
 
 

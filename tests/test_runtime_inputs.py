@@ -8,6 +8,7 @@ import runtime_fixtures as fx
 import seeding
 import torch
 
+from runtime.constants import MAX_TOKENS
 from runtime.errors import InputError
 from runtime.inputs import check_call, check_weights
 from runtime.layout import MoEWeights, random_moe_weights
@@ -31,9 +32,9 @@ def test_accepts_a_good_call():
         assert check_call(*_call(5, dtype), SHAPE, CPU, BOTH) == 5
 
 
-@pytest.mark.parametrize("m", [0, 65])
+@pytest.mark.parametrize("m", [0, MAX_TOKENS + 1])
 def test_refuses_m_out_of_range(m):
-    with pytest.raises(InputError, match=rf"expected M \(tokens\) in 1..64, found {m}"):
+    with pytest.raises(InputError, match=rf"expected M \(tokens\) in 1..{MAX_TOKENS}, found {m}"):
         check_call(*_call(m), SHAPE, CPU, BOTH)
 
 

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
+from runtime.constants import MAX_TOKENS
 from runtime.model import MoEShape
 from runtime.reference import moe_reference, route, tie_margin
 from runtime.sharding import shard_shape
@@ -95,14 +96,14 @@ def test_help_and_multicast_defaults():
 
 def test_arguments():
     args = tp.parse_args(["art"])
-    assert args.tokens == list(range(1, 65)) and args.routings == ["random", "skewed"]
+    assert args.tokens == list(range(1, MAX_TOKENS + 1)) and args.routings == ["random", "skewed"]
     assert not args.single_process and args.logits_dtype == "float32"
     args = tp.parse_args(["art", "--single-process", "--devices", "cuda:0,cuda:1",
                           "--tokens", "5-7,1,64,6", "--routing", "skewed"])  # fmt: skip
     assert args.devices == (torch.device("cuda", 0), torch.device("cuda", 1))
     assert args.tokens == [1, 5, 6, 7, 64] and args.routings == ["skewed"]
     assert tp.parse_tokens("3") == [3]
-    for bad in ("0-4", "1-65", "a", "", "2-", "5-3", "1,,2"):
+    for bad in ("0-4", f"1-{MAX_TOKENS + 1}", "a", "", "2-", "5-3", "1,,2"):
         with pytest.raises(Exception, match="tokens"):
             tp.parse_tokens(bad)
     for argv in (["art", "--devices", "cuda:0"],  # torchrun: one GPU per process
