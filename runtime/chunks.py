@@ -1,9 +1,9 @@
 """Any number of tokens through a layer that serves 1..B in one launch: row chunks.
 
-A layer call serves M up to its largest token bucket B (128 for the glm5
-build, 64 for the other configs; ``runtime.constants.MAX_TOKENS`` bounds
-it). ``chunk_plan(m, buckets)`` splits M >= 1 rows into pieces that one
-call each serves: M up to the largest bucket is one piece; above it, pieces
+A layer call serves M up to its largest token bucket B (128 for the
+configs' builds; ``runtime.constants.MAX_TOKENS`` bounds it).
+``chunk_plan(m, buckets)`` splits M >= 1 rows into pieces that one call each
+serves: M up to the largest bucket is one piece; above it, pieces
 of the largest bucket in row order, then one final piece of the remainder
 (which the layer pads up to its own bucket: ``runtime.plan``). So at most one
 piece is partial, and it is the last.
