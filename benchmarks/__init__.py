@@ -13,5 +13,8 @@ It consumes an artifact (it builds nothing), so it lives apart from
   against.
 
 Committed results (JSON and PNG) are under ``benchmarks/results/``; they are
-data, not part of the installed package.
+data, not part of the installed package. ``benchmarks/cluster_stream.cu`` is
+a standalone CUDA program (built with nvcc on a GPU machine) that measures
+how fast a grid of clusters streams HBM, the floor the mega kernel's grids
+are compared against.
 """

@@ -26,8 +26,9 @@ For each M: the median and the minimum over ``--repeats`` runs of
 ``runtime.inputs.check_call`` alone. ``--profile M``: a cProfile of
 ``--calls`` calls at that M, the functions that took the most time
 themselves (``tottime``). Shapes: ``glm5`` is configs/glm5.yaml's model
-(H 4096, E 288, top-8, a shared expert) with its kernels' buckets (mega 1-4,
-grouped 8-64 with and without finalize, both logits dtypes); ``small`` the
+(H 4096, E 288, top-8, a shared expert) with its kernels' buckets up to 64
+(mega 1-4, grouped 8-64 with and without finalize, both logits dtypes; the
+config's 96 and 128 take the same host path); ``small`` the
 CPU tests' model (H 256, E 32, top-4).
 """
 

@@ -90,7 +90,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--sizes",
         type=parse_sizes,
         default=parse_sizes("1,2,4,8,16,32,64"),
-        help="decode batch sizes to capture (default 1,2,4,8,16,32,64; above 64 runs in chunks)",
+        help="decode batch sizes to capture (default 1,2,4,8,16,32,64; above the largest "
+        "bucket, 128 for the configs' builds, runs in chunks)",
     )
     parser.add_argument("--steps", type=int, default=1000, help="decode steps (default 1000)")
     parser.add_argument("--logits-dtype", choices=list(DTYPES), default="float32")

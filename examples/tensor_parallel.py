@@ -46,7 +46,7 @@ every addition (N - 1 more roundings for N shards), each relative to a
 partial sum that can exceed the result when shards cancel; and since an
 all-reduce's addition order depends on the number of GPUs and on NCCL's
 algorithm (ring, tree), BF16 results would also change with the deployment.
-FP32 doubles the bytes reduced, at most 64 x 4096 x 4 B = 1 MiB per call:
+FP32 doubles the bytes reduced, at most 128 x 4096 x 4 B = 2 MiB per call:
 a latency-bound message at decode sizes.
 
 Tolerances. Each shard's output meets the 1e-2 relative-L2 bar against its
@@ -188,7 +188,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--tokens",
         type=parse_tokens,
         default=parse_tokens(f"1-{MAX_TOKENS}"),
-        help="M values, e.g. 1-64 or 1,4,5,64 (default: 1-64)",
+        help=f"M values, e.g. 1-64 or 1,4,5,64 (default: 1-{MAX_TOKENS})",
     )
     parser.add_argument(
         "--routing",

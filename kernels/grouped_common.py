@@ -606,6 +606,11 @@ class GroupedCommon:
                     self.route(logits, bias, ids, weights, token, lane)
                 elif warp >= self.EPILOGUE_WARP:
                     self.quantize(x, plan_x, plan_s, token, tid - self.EPILOGUE_WARP * 32)
+            if cutlass.const_expr(self.stamps):  # after this CTA's last token
+                if tid == 0:
+                    self.stamp(t, "route_done")
+                if tid == self.EPILOGUE_WARP * 32:
+                    self.stamp(t, "quantized")
             ptx.fence_acq_rel_gpu()
         cute.arch.sync_threads()
         if cutlass.const_expr(self.stamps):

@@ -22,13 +22,14 @@ def unsupported(kernel: str, arch: str, hidden: int, inter: int, experts: int,
     if kernel == "mega":
         reasons += mega_plan.problems(arch, hidden, inter, experts, top_k, tokens)
     elif kernel == "grouped":
-        reasons += _grouped(arch, hidden, inter, experts, top_k)
+        reasons += _grouped(arch, hidden, inter, experts, top_k, min(max(tokens, 1), MAX_TOKENS))
     else:
         reasons.append(f"unknown kernel {kernel!r}")
     return reasons
 
 
-def _grouped(arch: str, hidden: int, inter: int, experts: int, top_k: int) -> list[str]:
+def _grouped(arch: str, hidden: int, inter: int, experts: int, top_k: int,
+             tokens: int) -> list[str]:  # fmt: skip
     reasons = []
     if experts > 1024:
         reasons.append(
@@ -37,10 +38,10 @@ def _grouped(arch: str, hidden: int, inter: int, experts: int, top_k: int) -> li
     if top_k > 32:
         reasons.append(f"top_k {top_k}: the grouped kernel writes one route per lane (<= 32)")
     # The plan's stage words and tiling (both archs), and sm_90a's shared
-    # memory at the largest bucket.
-    reasons += grouped_plan.plan_problems(hidden, inter, experts, top_k, MAX_TOKENS)
+    # memory at this bucket (the unit tables grow with it).
+    reasons += grouped_plan.plan_problems(hidden, inter, experts, top_k, tokens)
     if arch == "sm_90a" and not reasons:
-        plan = grouped_plan.GroupedPlan(hidden, inter, experts, top_k, MAX_TOKENS, 1)
+        plan = grouped_plan.GroupedPlan(hidden, inter, experts, top_k, tokens, 1, arch=arch)
         try:
             grouped_plan.fit_layout(plan, arch, gatherers=3)
         except ValueError as e:

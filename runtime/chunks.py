@@ -85,7 +85,7 @@ def served(layer, logits_dtype: torch.dtype) -> list[int]:
 
 
 def check_inputs(layer, x, logits, bias) -> int:
-    """Validates a call of any M >= 1 as the layer validates one of 1..64
+    """Validates a call of any M >= 1 as the layer validates one of 1..MAX_TOKENS
     (``runtime.inputs.check_call``: dtypes, shapes, device, dense row-major,
     16-byte aligned); returns M."""
     return check_call(x, logits, bias, layer.shape, layer.device, layer.dtypes, None)

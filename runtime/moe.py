@@ -312,14 +312,18 @@ class MoELayer:
     def _launch_rows(self, variant, x, logits, bias, out, starts) -> None:
         """``launch_rows``'s launches of ``variant`` (one host path, then one
         ``CallPlan.launch_at`` per start)."""
+        rows = variant.tokens
+        if any(s < 0 or s + rows > min(x.shape[0], out.shape[0]) for s in starts):
+            raise ValueError(f"starts {list(starts)}: a chunk of {rows} rows past the call's rows")
         row_x, row_logits = x.stride(0) * x.element_size(), logits.stride(0) * logits.element_size()
+        row_out = out.stride(0) * out.element_size()
         x0, logits0, out0 = x.data_ptr(), logits.data_ptr(), out.data_ptr()
         b = 0 if bias is None else bias.data_ptr()
 
         def launch(plan, stream):
             for s in starts:
                 plan.launch_at(stream, (x0 + s * row_x, logits0 + s * row_logits, b), 0,
-                               out0 + s * row_x)  # fmt: skip
+                               out0 + s * row_out)  # fmt: skip
 
         self._issue(variant, True, launch)
 

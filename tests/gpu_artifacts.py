@@ -10,7 +10,7 @@ import pytest
 import seeding
 
 #: Relative L2 error, against the float64 reference, of any one layer call
-#: (its 1-64 tokens; an error pooled over calls has the 1e-2 bar). One call
+#: (its 1-128 tokens; an error pooled over calls has the 1e-2 bar). One call
 #: of 1-3 tokens has read up to 2.3e-2 on the H200 where its pool read 9.3e-3.
 CALL_TOL = 3e-2
 

@@ -373,7 +373,8 @@ def test_row_launches_address_the_callers_rows(tmp_path, fake, weights):
     one launch per start, in the order given, each launching what a scratch
     call on that start's rows launches, with x, logits and final at those
     rows of the caller's tensors and no other slot moved; an M served only
-    with padding launches nothing and answers False."""
+    with padding launches nothing and answers False; a start whose chunk
+    would pass the call's rows is refused before anything launches."""
     layer = _layer(tmp_path, fake, weights)
     fake.make_current(0)
     v = layer.variants["grouped-sm_90a-m8-float32-final"]
@@ -395,6 +396,8 @@ def test_row_launches_address_the_callers_rows(tmp_path, fake, weights):
         assert values == {**want, **rows}, s
     count = len(fake.launches)
     assert not layer.launch_rows(x, logits, bias, out, [0], 5)  # grouped m8, padded
+    with pytest.raises(ValueError, match="past the call's rows"):
+        layer.launch_rows(x, logits, bias, out, [0, 20], 8)  # rows 20..27 of 24
     assert len(fake.launches) == count
 
 

@@ -1,7 +1,7 @@
 """runtime.ops on the CPU: the ``moe_build::moe_layer`` custom op over a
 stand-in layer (the ``runtime.chunks`` protocol, computing a per-token
-function of its inputs on CPU tensors, refusing M above 64 as the real
-layer does): schema, fake implementation under FakeTensorMode (shapes,
+function of its inputs on CPU tensors, a table of M = 1..64, whose calls
+``check_call`` checks as the real layer's): schema, fake implementation under FakeTensorMode (shapes,
 dtypes, device, refusals), ``torch.library.opcheck``, ``torch.compile
 (fullgraph=True)`` of ``MoEModule`` (the traced graph calls the op once per
 call and gives eager's values), and the handle table."""
@@ -25,8 +25,8 @@ OP = torch.ops.moe_build.moe_layer
 
 
 class StandIn:
-    """A layer of the chunks protocol: serves M in 1..64 (``check_call``'s
-    refusals), output row t = bf16(2 x[t] + logits[t, 0] + bias[0]), a
+    """A layer of the chunks protocol: its table serves M in 1..64 (each call
+    checked by ``check_call``), output row t = bf16(2 x[t] + logits[t, 0] + bias[0]), a
     function of token t alone; records each call's M."""
 
     def __init__(self, device="cpu", dtypes=("float32", "bfloat16")):

@@ -262,7 +262,7 @@ def test_bad_inputs_are_refused(artifact, layer, device):
     x, logits, bias = _inputs(artifact.shape, 2, dtype, device)
     with pytest.raises(InputError, match="M"):
         layer(*_inputs(artifact.shape, 0, dtype, device))
-    big = _inputs(artifact.shape, 65, dtype, device)  # any M: chunks above the buckets
+    big = _inputs(artifact.shape, 65, dtype, device)  # any M (chunks above the buckets)
     assert layer(*big).shape == (65, artifact.shape.hidden)
     with pytest.raises(InputError, match="logits: expected shape"):
         layer(big[0], big[1][:64], big[2])
