@@ -585,6 +585,8 @@ class GroupedCommon:
         if cutlass.const_expr(self.stamps):
             if tid == 0:
                 self.clear_stamps(t, cta)
+        # Up to the SM count (every H200 and B200 bucket) CTA c takes token c
+        # alone: an ``if``, not the loop below.
         if cutlass.const_expr(self.tokens <= self.grid):
             if cta < self.tokens:
                 if warp == 0:

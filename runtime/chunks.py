@@ -47,10 +47,8 @@ from __future__ import annotations
 import torch
 
 from runtime.errors import InputError
-from runtime.inputs import LOGITS, check_call
+from runtime.inputs import LOGITS_NAMES, check_call
 from runtime.plan import bucket_for, pad_rows
-
-_DTYPE_NAMES = {v: k for k, v in LOGITS.items()}
 
 
 def chunk_plan(m: int, buckets) -> list[tuple[int, int]]:
@@ -76,7 +74,7 @@ def chunk_plan(m: int, buckets) -> list[tuple[int, int]]:
 def served(layer, logits_dtype: torch.dtype) -> list[int]:
     """The M values one call of ``layer`` serves with logits of ``logits_dtype``,
     ascending; refuses a dtype the layer does not serve."""
-    name = _DTYPE_NAMES.get(logits_dtype)
+    name = LOGITS_NAMES.get(logits_dtype)
     table = layer.tables.get(name) if name is not None else None
     if not table:
         accepted = ", ".join(f"torch.{d}" for d in layer.dtypes) or "none"
@@ -150,7 +148,7 @@ def _one_launch(layer, x, logits) -> bool:
     checks, which say what is wrong)."""
     if not (isinstance(x, torch.Tensor) and isinstance(logits, torch.Tensor) and x.dim() == 2):
         return False
-    table = layer.tables.get(_DTYPE_NAMES.get(logits.dtype))
+    table = layer.tables.get(LOGITS_NAMES.get(logits.dtype))
     return bool(table) and x.shape[0] in table
 
 

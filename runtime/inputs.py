@@ -18,6 +18,8 @@ from runtime.model import MoEShape
 ALIGN = 16
 #: Logits dtype name (an artifact's ``logits_dtype``) -> its torch dtype.
 LOGITS = {name: getattr(torch, name) for name in LOGITS_DTYPES}
+#: The reverse: torch dtype -> logits dtype name.
+LOGITS_NAMES = {dtype: name for name, dtype in LOGITS.items()}
 
 
 def check_tensor(name: str, t, dtype, shape, device: torch.device) -> None:

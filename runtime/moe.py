@@ -61,13 +61,12 @@ from runtime import driver, graphs
 from runtime.chunks import run_chunked
 from runtime.constants import KERNELS, TILE
 from runtime.errors import ArtifactError, InputError
-from runtime.inputs import LOGITS, check_call
+from runtime.inputs import LOGITS, LOGITS_NAMES, check_call
 from runtime.launch import Parameters
 from runtime.layout import logical_rows
 from runtime.model import MoEShape
 from runtime.plan import Step, bucket_for, default_table, pad_rows, pad_sources
 
-_DTYPE_NAMES = {v: k for k, v in LOGITS.items()}
 #: i32 parameters the runtime knows how to fill, from (bucket, top_k).
 SCALARS = {"tokens": lambda m, k: m, "routes": lambda m, k: m * k}
 #: Pointer parameters whose values change with every call: the caller's
@@ -236,7 +235,7 @@ class MoELayer:
             if not dtypes:
                 raise InputError(f"this artifact has no {kernel} variant for {self.artifact.arch}")
         m = check_call(x, logits, bias, self.shape, self.device, dtypes)
-        return m, _DTYPE_NAMES[logits.dtype]
+        return m, LOGITS_NAMES[logits.dtype]
 
     def _step(self, kernel: str, m: int, dtype: str, finalize: bool) -> Step:
         by_bucket = self.buckets.get((kernel, dtype), {})
@@ -278,13 +277,49 @@ class MoELayer:
         self._launch(variant, x, logits, bias, block, scratch)
         return block, layout
 
-    def _launch(self, variant, x, logits, bias, block, scratch: bool = False) -> None:
+    def _launch(self, variant, x, logits, bias, block, scratch: bool = False,
+                rows=None) -> None:  # fmt: skip
         """Launches ``variant`` on torch's current stream of the layer's
         device: ``x`` and ``logits`` at the bucket's rows, ``block`` the
         call's output block (``self.layouts[variant.name]``; with ``scratch``
-        only its ``final``, the other outputs going to the stream's scratch)."""
-        self._issue(variant, scratch, lambda plan, stream: plan.launch(stream, x, logits, bias,
-                                                                       block))  # fmt: skip
+        only its ``final``, the other outputs going to the stream's scratch);
+        with ``rows`` (``_launch_rows``), one launch per chunk (``_issue``)."""
+        graphs.release()
+        stream = current_stream(self.ordinal)
+        plan = self._plan(variant, stream, scratch)
+        capturing = graphs.capture_possible(self.ordinal)
+        # The device's context is current for the launch (the legacy default
+        # stream, handle 0, runs in the current context). Pushing it only when
+        # it is not current already, and popping it after, leaves the thread's
+        # current context as it was: leaving another current would move
+        # torch's current device to this layer's (the CUDA runtime takes the
+        # thread's current context as its device).
+        if driver.context_is_current(self.ordinal):
+            self._issue(plan, stream, capturing, x, logits, bias, block, rows)
+        else:
+            with driver.context(self.ordinal):
+                self._issue(plan, stream, capturing, x, logits, bias, block, rows)
+
+    def _issue(self, plan, stream: int, capturing: bool, x, logits, bias, block,
+               rows=None) -> None:  # fmt: skip
+        """One launch of ``plan`` (``rows`` None: ``x``, ``logits``, ``bias``
+        and the output ``block``), or with ``rows`` = (starts, row bytes of x,
+        logits and the output) one launch per start at those rows of x,
+        logits and the output tensor ``block``; with ``capturing``, the
+        layer held by the graph being captured first."""
+        if capturing:
+            # A graph being captured keeps this layer (weights, rows, maps,
+            # the artifact's workspaces and libraries) alive: runtime.graphs.
+            graphs.hold(stream, self)
+        if rows is None:
+            plan.launch(stream, x, logits, bias, block)
+            return
+        starts, row_x, row_logits, row_out = rows
+        x0, logits0, out0 = x.data_ptr(), logits.data_ptr(), block.data_ptr()
+        b = 0 if bias is None else bias.data_ptr()
+        for s in starts:
+            plan.launch_at(stream, (x0 + s * row_x, logits0 + s * row_logits, b), 0,
+                           out0 + s * row_out)  # fmt: skip
 
     def launch_rows(self, x, logits, bias, out, starts, rows: int) -> bool:
         """For row chunks (``runtime.chunks.run_chunked``): launches, for each
@@ -299,7 +334,7 @@ class MoELayer:
         per chunk. The caller has checked the whole call (dtypes, shapes,
         device, density, alignment: row offsets keep 16-byte alignment since
         H is a multiple of 128 and E of 32)."""
-        dtype = _DTYPE_NAMES[logits.dtype]
+        dtype = LOGITS_NAMES[logits.dtype]
         step = self.tables[dtype].get(rows)
         if step is None or step.bucket != rows:
             return False
@@ -310,51 +345,15 @@ class MoELayer:
         return True
 
     def _launch_rows(self, variant, x, logits, bias, out, starts) -> None:
-        """``launch_rows``'s launches of ``variant`` (one host path, then one
-        ``CallPlan.launch_at`` per start)."""
+        """``launch_rows``'s launches of ``variant``: one host path
+        (``_launch``: stream, plan, capture check, context), then one
+        ``CallPlan.launch_at`` per start (``_issue``)."""
         rows = variant.tokens
         if any(s < 0 or s + rows > min(x.shape[0], out.shape[0]) for s in starts):
             raise ValueError(f"starts {list(starts)}: a chunk of {rows} rows past the call's rows")
-        row_x, row_logits = x.stride(0) * x.element_size(), logits.stride(0) * logits.element_size()
-        row_out = out.stride(0) * out.element_size()
-        x0, logits0, out0 = x.data_ptr(), logits.data_ptr(), out.data_ptr()
-        b = 0 if bias is None else bias.data_ptr()
-
-        def launch(plan, stream):
-            for s in starts:
-                plan.launch_at(stream, (x0 + s * row_x, logits0 + s * row_logits, b), 0,
-                               out0 + s * row_out)  # fmt: skip
-
-        self._issue(variant, True, launch)
-
-    def _issue(self, variant, scratch: bool, launch) -> None:
-        """Runs ``launch(plan, stream)`` for ``variant``'s plan on torch's
-        current stream of the layer's device (with ``scratch``: the plan whose
-        outputs but ``final`` go to the stream's scratch), with the device's
-        context current and, when the stream is being captured, the layer
-        held by the graph."""
-        graphs.release()
-        stream = current_stream(self.ordinal)
-        plan = self._plan(variant, stream, scratch)
-        capturing = graphs.capture_possible(self.ordinal)
-        # The device's context is current for the launch (the legacy default
-        # stream, handle 0, runs in the current context). Pushing it only when
-        # it is not current already, and popping it after, leaves the thread's
-        # current context as it was: leaving another current would move
-        # torch's current device to this layer's (the CUDA runtime takes the
-        # thread's current context as its device).
-        if driver.context_is_current(self.ordinal):
-            self._held_launch(plan, stream, capturing, launch)
-        else:
-            with driver.context(self.ordinal):
-                self._held_launch(plan, stream, capturing, launch)
-
-    def _held_launch(self, plan, stream: int, capturing: bool, launch) -> None:
-        if capturing:
-            # A graph being captured keeps this layer (weights, rows, maps,
-            # the artifact's workspaces and libraries) alive: runtime.graphs.
-            graphs.hold(stream, self)
-        launch(plan, stream)
+        steps = (list(starts), x.stride(0) * x.element_size(),
+                 logits.stride(0) * logits.element_size(), out.stride(0) * out.element_size())  # fmt: skip
+        self._launch(variant, x, logits, bias, out, True, steps)
 
     def _plan(self, variant, stream: int, scratch: bool = False) -> CallPlan:
         """``variant``'s plan on ``stream`` (with ``scratch``: its outputs but

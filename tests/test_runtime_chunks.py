@@ -25,6 +25,7 @@ from runtime.plan import Step, bucket_for
 
 SHAPE = MoEShape(**fx.SMALL_MODEL)
 CPU = torch.device("cpu")
+#: glm5.yaml's buckets up to 64 (its 96 and 128 left out, so that M above 64 chunks).
 GLM5_BUCKETS = (1, 2, 3, 4, 8, 16, 32, 48, 64)
 
 
@@ -83,7 +84,8 @@ def test_plan_is_pure_and_refuses_nonsense():
 
 
 def _variants(final: bool = True) -> list:
-    """The glm5 artifact's variants: mega 1..4 (with the shared expert;
+    """The glm5 artifact's variants up to 64 tokens (its 96 and 128 buckets
+    left out, so that M = 65..300 chunks here): mega 1..4 (with the shared expert;
     writing ``final`` unless ``final`` is False), grouped 8..64 with and
     without in-kernel finalize, both logits dtypes."""
     mega = [variant("mega", m, d, final=final) for m in (1, 2, 3, 4) for d in DTYPES]
