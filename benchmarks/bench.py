@@ -28,7 +28,10 @@ Method:
   weight_bytes / time; ``floor_fraction`` = tb_s / copy bandwidth.
 - ``host_us``: the host (CPU) time of issuing one eager call, microseconds:
   the median over ``HOST_CALLS`` calls of the wall time from the call to its
-  return, the GPU work enqueued and not waited on (``time_host``).
+  return, the GPU work enqueued and not waited on (``time_host``), the
+  process's thread free to move between CPUs; ``host_pinned_us``: the same
+  with the calling thread pinned to one CPU (``host_cpu``, recorded as
+  ``method.host_cpu``), as a server pins the thread that feeds its GPU.
 - Before timing, each case runs ``CHECK_CALLS`` calls on fresh inputs against
   the float64 reference (outputs NaN-poisoned); the verdict is the error
   pooled over those calls' rows (``Check``), and any case above its
@@ -41,6 +44,7 @@ Method:
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import json
@@ -123,6 +127,7 @@ class Row:
     finalize: bool | None = None
     rel_l2_worst_call: float | None = None
     host_us: float | None = None
+    host_pinned_us: float | None = None
 
 
 @dataclass(frozen=True)
@@ -278,10 +283,40 @@ def time_eager(call, reps: int, warmup: int = 3) -> list[float]:
     return out
 
 
-def time_host(calls, n: int = HOST_CALLS, batch: int = HOST_BATCH) -> list[float]:
+def host_cpu() -> int | None:
+    """The CPU the bench pins host timing to: the highest-numbered one this
+    process may run on (low-numbered CPUs take most device interrupts on
+    common Linux setups), or None where the OS cannot pin threads."""
+    try:
+        return max(os.sched_getaffinity(0))
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+@contextlib.contextmanager
+def pinned(cpu: int | None):
+    """The calling thread runs on ``cpu`` only inside the block (Linux
+    ``sched_setaffinity`` of thread 0 = the caller), its former CPU set
+    restored after; nothing changes for ``cpu`` None."""
+    if cpu is None:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {cpu})
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def time_host(
+    calls, n: int = HOST_CALLS, batch: int = HOST_BATCH, cpu: int | None = None
+) -> list[float]:
     """Microseconds of host time of each of ``n`` eager calls, rotating over
     ``calls`` (callables): the wall time (``time.perf_counter``) from the call
-    to its return, with its GPU work enqueued and not waited on.
+    to its return, with its GPU work enqueued and not waited on; with ``cpu``,
+    the warm-up and the calls run with the thread pinned to that CPU
+    (``pinned``).
 
     Calls are issued back to back in batches of ``batch``; the device is
     synchronized (untimed) before the first and after each batch, so queued
@@ -289,23 +324,24 @@ def time_host(calls, n: int = HOST_CALLS, batch: int = HOST_BATCH) -> list[float
     the GPU, which would count GPU time as host time). Python's garbage
     collector is off while the calls run (as in ``timeit``), so a collection
     of the run's other objects is not counted as the call's time."""
-    for call in calls:  # warm-up: lazy init outside the timed calls
-        call()
-    torch.cuda.synchronize()
-    out = []
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        for first in range(0, n, batch):
-            for i in range(first, min(first + batch, n)):
-                call = calls[i % len(calls)]
-                start = time.perf_counter()
-                call()
-                out.append((time.perf_counter() - start) * 1e6)
-            torch.cuda.synchronize()
-    finally:
-        if collecting:
-            gc.enable()
+    with pinned(cpu):
+        for call in calls:  # warm-up: lazy init outside the timed calls
+            call()
+        torch.cuda.synchronize()
+        out = []
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            for first in range(0, n, batch):
+                for i in range(first, min(first + batch, n)):
+                    call = calls[i % len(calls)]
+                    start = time.perf_counter()
+                    call()
+                    out.append((time.perf_counter() - start) * 1e6)
+                torch.cuda.synchronize()
+        finally:
+            if collecting:
+                gc.enable()
     return out
 
 
@@ -323,6 +359,28 @@ def device_facts(device: torch.device) -> dict:
     driver = _env_fact(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
     return {"device": props.name, "driver": driver.splitlines()[0] if driver else "unknown",
             "sms": props.multi_processor_count}  # fmt: skip
+
+
+#: The GPU state ``gpu_state`` records (``nvidia-smi --query-gpu`` fields):
+#: clocks, power and the reasons the clocks are held down, because runs of
+#: near-identical builds have read several percent apart on other days (the
+#: GLM-5.3 layer at M = 8, random routing: 84.2-90.0 us in the committed
+#: results) with the copy bandwidth alone to tell the runs apart.
+GPU_STATE_FIELDS = (
+    "clocks.sm", "clocks.mem", "clocks.max.sm", "clocks.max.mem", "power.draw",
+    "power.limit", "temperature.gpu", "clocks_event_reasons.active",
+)  # fmt: skip
+
+
+def gpu_state(device: torch.device) -> dict:
+    """``GPU_STATE_FIELDS`` of ``device`` as nvidia-smi reports them now
+    (strings with their units), or {} where nvidia-smi cannot tell."""
+    out = _env_fact(["nvidia-smi", f"--id={device.index or 0}",
+                     f"--query-gpu={','.join(GPU_STATE_FIELDS)}", "--format=csv,noheader"], "")  # fmt: skip
+    values = [v.strip() for v in out.splitlines()[0].split(",")] if out else []
+    if len(values) != len(GPU_STATE_FIELDS):
+        return {}
+    return dict(zip(GPU_STATE_FIELDS, values, strict=True))
 
 
 def commit_id() -> str:
@@ -363,7 +421,12 @@ class Bench:
 
         self.baseline = TorchMoE(self.copies[0][0], self.shape)
         self.copy_tb_s = copy_bandwidth(self.device)
-        log(f"copy bandwidth {self.copy_tb_s:.3f} TB/s")
+        self.gpu_start = gpu_state(self.device)
+        self.host_cpu = host_cpu()
+        log(
+            f"copy bandwidth {self.copy_tb_s:.3f} TB/s"
+            + "".join(f", {k} {v}" for k, v in self.gpu_start.items() if k.startswith("clocks."))
+        )
 
     # What a row reads --------------------------------------------------------------
 
@@ -375,14 +438,16 @@ class Bench:
         return int(round(distinct * per + (per * self.shape.shared_experts if shared else 0)))
 
     def _row(
-        self, kernel, m, routing, distinct, shared, times, check: Check, host=None, **extra
-    ) -> Row:
-        """The row of one case: GPU ``times`` and ``host`` times (us, None
-        where not measured) and its ``check``."""
+        self, kernel, m, routing, distinct, shared, times, check: Check, host=None,
+        host_pinned=None, **extra,
+    ) -> Row:  # fmt: skip
+        """The row of one case: GPU ``times``, ``host`` and ``host_pinned``
+        times (us, None where not measured) and its ``check``."""
         wb = self._bytes(distinct, shared)
         med = statistics.median(times)
         tb = wb / (med * 1e-6) / 1e12
         host_us = None if host is None else round(statistics.median(host), 2)
+        pinned_us = None if host_pinned is None else round(statistics.median(host_pinned), 2)
         return Row(
             kernel=kernel, arch=self.artifact.arch, tokens=m, routing=routing,
             distinct_experts=round(distinct, 2), weight_bytes=wb, time_us=round(med, 2),
@@ -390,7 +455,8 @@ class Bench:
             reps=len(times), tb_s=round(tb, 3), floor_fraction=round(tb / self.copy_tb_s, 3),
             correct=check.rel_l2 <= TOLERANCE[kernel], rel_l2=check.rel_l2,
             max_abs=check.max_abs, near_ties=check.near_ties,
-            rel_l2_worst_call=check.rel_l2_worst_call, host_us=host_us, **extra,
+            rel_l2_worst_call=check.rel_l2_worst_call, host_us=host_us,
+            host_pinned_us=pinned_us, **extra,
         )  # fmt: skip
 
     # Correctness of one case on fresh inputs ----------------------------------------
@@ -442,8 +508,8 @@ class Bench:
 
     def time_case(self, kind: str, m: int, routing: str, finalize: bool = False):
         """(mean distinct experts, GPU us per call of each replay or eager
-        call, host us of each eager call or None) of one case on ``POOL``
-        fresh inputs."""
+        call, host us of each eager call unpinned and pinned to ``host_cpu``,
+        or (None, None)) of one case on ``POOL`` fresh inputs."""
         x, logits, bias = routing_inputs(routing, m, self.shape, POOL, self.g, self.device)
         distinct = distinct_experts(logits, bias, self.shape)
         if kind == "baseline":
@@ -451,7 +517,7 @@ class Bench:
             times = []
             for call in calls:
                 times += time_eager(call, max(1, self.reps // POOL))
-            return distinct, times, None
+            return distinct, times, (None, None)
 
         def call(p):
             layer = self.copies[p % COPIES][1]
@@ -463,7 +529,7 @@ class Bench:
 
         calls = [lambda p=p: call(p) for p in range(POOL)]
         times = time_graph(calls, self.reps)
-        return distinct, times, time_host(calls)
+        return distinct, times, (time_host(calls), time_host(calls, cpu=self.host_cpu))
 
     def run(self, tokens, routings) -> list[Row]:
         """Every case of every (routing, M): the layer, the baseline, the mega
@@ -494,14 +560,17 @@ class Bench:
                     cases.append(("grouped", False, above[0]))
                 for kind, fin, bucket in cases:
                     check = self.check(kind, m, routing, fin)
-                    distinct, times, host = self.time_case(kind, m, routing, fin)
+                    distinct, times, (host, pinned_host) = self.time_case(kind, m, routing, fin)
                     shared = kind != "mega" or mega_shared  # _bytes: where the model has one
                     extra = {"finalize": fin} if kind == "grouped" else {}
                     row = self._row(
-                        kind, m, routing, distinct, shared, times, check, host, bucket=bucket,
-                        **extra,
+                        kind, m, routing, distinct, shared, times, check, host, pinned_host,
+                        bucket=bucket, **extra,
                     )  # fmt: skip
-                    host_text = "" if row.host_us is None else f" host {row.host_us:6.1f} us"
+                    host_text = "" if row.host_us is None else (
+                        f" host {row.host_us:6.1f} us"
+                        + ("" if row.host_pinned_us is None else f" ({row.host_pinned_us:.1f} pinned)")
+                    )  # fmt: skip
                     rows.append(row)
                     padded = f" (bucket {bucket})" if bucket not in (None, m) else ""
                     self.log(
@@ -524,6 +593,8 @@ class Bench:
         return {
             **facts,
             "copy_tb_s": round(self.copy_tb_s, 4),
+            # After the copy measurement and after the last case.
+            "gpu_state": {"start": self.gpu_start, "end": gpu_state(self.device)},
             "commit": commit_id(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "toolchain": manifest.get("toolchain"),
@@ -540,6 +611,7 @@ class Bench:
                 "near_tie": NEAR_TIE,
                 "check_calls": CHECK_CALLS,
                 "host_calls": HOST_CALLS,
+                "host_cpu": self.host_cpu,
                 "warmup_s": WARMUP_S,
                 "routing": routing_rule(self.shape),
             },  # fmt: skip

@@ -110,18 +110,23 @@ def summary(result: dict) -> str:
     that serves M directly, and the torch baseline (the README's table).
 
     A ``layer host (us)`` column (the layer's eager host time per call) is
-    there only when every layer row has ``host_us``, so a result that predates
-    the field gives the same table as before."""
+    there only when every layer row has ``host_us``, and ``pinned (us)`` (the
+    same with the thread pinned to one CPU) only when every layer row has
+    ``host_pinned_us``, so a result that predates a field gives the table it
+    gave before."""
     rows = result["rows"]
-    with_host = all(r.get("host_us") is not None for r in rows if r["kernel"] == "layer")
+    layers = [r for r in rows if r["kernel"] == "layer"]
+    with_host = all(r.get("host_us") is not None for r in layers)
+    with_pinned = with_host and all(r.get("host_pinned_us") is not None for r in layers)
     lines = [
         f"{result['device']}, copy bandwidth {result['copy_tb_s']:.2f} TB/s "
         f"(commit {result['commit'][:9]}, {result['date'][:10]})",
         "",
         "| routing | M | layer (us) | layer % of copy | "
         + ("layer host (us) | " if with_host else "")
+        + ("pinned (us) | " if with_pinned else "")
         + "fastest kernel | kernel (us) | kernel % of copy | torch (us) | layer vs torch |",
-        "|---|---|---|---|---|---|---|---|---|" + ("---|" if with_host else ""),
+        "|---|---|---|---|---|---|---|---|---|" + "---|" * (with_host + with_pinned),
     ]
     keys = sorted({(r["routing"], r["tokens"]) for r in rows}, key=lambda k: (k[0], k[1]))
     for routing, m in keys:
@@ -131,6 +136,7 @@ def summary(result: dict) -> str:
         direct = [r for r in here if r["kernel"] in ("mega", "grouped")
                   and r.get("bucket") in (None, m)]  # fmt: skip
         host = f"| {layer['host_us']:.1f} " if with_host else ""
+        host += f"| {layer['host_pinned_us']:.1f} " if with_pinned else ""
         if direct:
             best = min(direct, key=lambda r: r["time_us"])
             name = best["kernel"] + (" (final)" if best.get("finalize") else "")

@@ -2,6 +2,7 @@
 
 import dataclasses
 import gc
+import os
 import statistics
 import time
 from types import SimpleNamespace
@@ -176,6 +177,13 @@ def test_table_and_summary_read_results_without_host_time():
     assert "| random | 2 | 30.0 | 25% | 12.5 | mega | 20.0 | 25% | 900 | 30x |" in text
     header, rule, line = text.splitlines()[2:5]
     assert header.count("|") == rule.count("|") == line.count("|")
+    for r in rows:
+        r.host_pinned_us = 9.5 if r.kernel != "baseline" else None
+    text = summary(_result(rows))
+    assert "| layer host (us) | pinned (us) | fastest kernel |" in text
+    assert "| random | 2 | 30.0 | 25% | 12.5 | 9.5 | mega | 20.0 | 25% | 900 | 30x |" in text
+    header, rule, line = text.splitlines()[2:5]
+    assert header.count("|") == rule.count("|") == line.count("|")
 
 
 def test_bench_refuses_bad_tokens_and_needs_a_gpu(tmp_path):
@@ -244,6 +252,8 @@ def _bench(shape, g, layer=None):
     bench.baseline = bench.checker
     bench.artifact = SimpleNamespace(arch="sm_90a")
     bench.copy_tb_s = 4.0
+    bench.gpu_start = {}
+    bench.host_cpu = None
     return bench
 
 
@@ -357,12 +367,14 @@ def test_row_takes_the_pooled_verdict_and_the_median_host_time():
     bench = _bench(CHECK_SHAPE, seeding.generator())
     check = Check(rel_l2=5e-3, rel_l2_worst_call=1.3e-2, max_abs=0.2, near_ties=1, calls=4)
     row = bench._row("grouped", 1, "skewed", 4.0, True, [10.0, 12.0, 11.0], check,
-                     [30.0, 20.0, 25.0, 90.0], bucket=1, finalize=False)  # fmt: skip
+                     [30.0, 20.0, 25.0, 90.0], [15.0, 40.0, 16.0], bucket=1,
+                     finalize=False)  # fmt: skip
     assert row.correct and row.rel_l2 == 5e-3 and row.rel_l2_worst_call == 1.3e-2
     assert row.host_us == 27.5 and row.time_us == 11.0 and row.near_ties == 1
+    assert row.host_pinned_us == 16.0
     bad = dataclasses.replace(check, rel_l2=1.1e-2)
     row = bench._row("baseline", 1, "skewed", 4.0, True, [10.0], bad)
-    assert row.host_us is None and row.correct  # the baseline's bar is 3e-2
+    assert row.host_us is None and row.host_pinned_us is None and row.correct  # bar 3e-2
     assert not bench._row("mega", 1, "skewed", 4.0, True, [10.0], bad).correct
 
 
@@ -412,7 +424,7 @@ def test_run_counts_the_shared_expert_only_where_the_model_has_one(shape, monkey
 
     monkeypatch.setattr(bench_module, "time_graph", timed)
     monkeypatch.setattr(bench_module, "time_eager", timed)
-    monkeypatch.setattr(bench_module, "time_host", lambda calls: [3.0])
+    monkeypatch.setattr(bench_module, "time_host", lambda calls, cpu=None: [3.0 if cpu else 4.0])
     monkeypatch.setattr(bench_module, "device_facts", lambda d: {"device": "CPU", "driver": "-",
                                                                  "sms": 0})  # fmt: skip
     monkeypatch.setattr(bench_module, "commit_id", lambda: "abc")
@@ -426,6 +438,7 @@ def test_run_counts_the_shared_expert_only_where_the_model_has_one(shape, monkey
     bench.baseline = TorchMoE(prepared, shape)
     bench.reps, logged = 5, []
     bench.log = logged.append
+    bench.host_cpu = 1
     bench.artifact.variants = [_variant("mega", 2, shared=shared),
                                _variant("grouped", 8, shared=shared),
                                _variant("grouped", 8, True, shared=shared)]  # fmt: skip
@@ -446,6 +459,8 @@ def test_run_counts_the_shared_expert_only_where_the_model_has_one(shape, monkey
         assert abs(routed_bytes - r.distinct_experts * per) <= 0.005 * per + 1, r
         assert 1 <= r.distinct_experts <= min(shape.experts, r.tokens * shape.top_k)
         assert r.tb_s == round(r.weight_bytes / 10e-6 / 1e12, 3)
+        timed_host = r.kernel != "baseline"
+        assert (r.host_us, r.host_pinned_us) == ((4.0, 3.0) if timed_host else (None, None))
     assert len(logged) == len(rows) == 16
     result = bench.result(rows)
     assert result["method"]["routing"]["skews"] == ("bias" if shape.bias else "logits")
@@ -472,6 +487,28 @@ def test_time_host_times_each_call_without_waiting(monkeypatch):
     assert events == [0, 1, "sync", 0, 1, 0, 1, "sync", 0, 1, 0, 1, "sync", 0, 1, "sync"]
     assert min(us[0::2]) >= 3000 > statistics.median(us[1::2])  # microseconds
     assert collecting == [True] * 2 + [False] * 10 and gc.isenabled()
+
+
+def test_time_host_pins_the_calling_thread_and_restores_it(monkeypatch):
+    """With ``cpu``, every call (the warm-up too) runs with the thread's CPU
+    set {cpu}; the former set is back after, also when a call raises."""
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    state = {"cpus": {0, 1, 2, 3}}
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(state["cpus"]))
+    monkeypatch.setattr(os, "sched_setaffinity", lambda pid, cpus: state.update(cpus=set(cpus)))
+    seen = []
+    assert bench_module.host_cpu() == 3
+    time_host([lambda: seen.append(set(state["cpus"]))], n=3, batch=2, cpu=3)
+    assert seen == [{3}] * 4 and state["cpus"] == {0, 1, 2, 3}
+    time_host([lambda: seen.append(set(state["cpus"]))], n=1, batch=1)
+    assert seen[-1] == {0, 1, 2, 3}  # no cpu: not pinned
+
+    def boom():
+        raise RuntimeError("launch failed")
+
+    with pytest.raises(RuntimeError):
+        time_host([boom], n=2, batch=1, cpu=1)
+    assert state["cpus"] == {0, 1, 2, 3}
 
 
 def test_summary_of_an_m_above_every_bucket_names_the_chunks():
@@ -559,3 +596,16 @@ def test_grouped_timeline_reads_only_a_stamped_variant_of_the_loaded_arch():
     assert stamped_variant(artifact(notes=False)) is None
     assert stamped_variant(artifact(kernel="mega")) is None
     assert stamped_variant(artifact(partial=full - 4)) is None
+
+
+def test_gpu_state_reads_the_fields_in_order_or_nothing(monkeypatch):
+    fields = bench_module.GPU_STATE_FIELDS
+    line = ", ".join(f"v{i}" for i in range(len(fields)))
+    monkeypatch.setattr(bench_module, "_env_fact", lambda cmd, fallback="unknown": line)
+    state = bench_module.gpu_state(torch.device("cpu"))
+    assert list(state) == list(fields) and state[fields[-1]] == f"v{len(fields) - 1}"
+    # A field nvidia-smi does not know makes it print an error: no partial record.
+    monkeypatch.setattr(bench_module, "_env_fact", lambda cmd, fallback="unknown": "")
+    assert bench_module.gpu_state(torch.device("cpu")) == {}
+    monkeypatch.setattr(bench_module, "_env_fact", lambda cmd, fallback="unknown": "a, b")
+    assert bench_module.gpu_state(torch.device("cpu")) == {}
