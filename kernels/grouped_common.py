@@ -52,7 +52,14 @@ Phases of a call, and what each waits on:
    ``call_parity``); ``__syncthreads``; every CTA zeroes its ``zero_share``
    of the other parity's counters; thread 0 of CTA t < M counts token t on
    the ready word (release), and thread 0 of every CTA waits (acquire) until
-   all M are counted; ``__syncthreads``.
+   all M are counted; ``__syncthreads``. With ``plan.local_routing``
+   (M <= ``grouped_plan.LOCAL_ROUTING_TOKENS``) every CTA routes every token
+   into its own ``picks`` (warp w token w; CTA t also stores token t's ids
+   and weights), and CTA t < M first quantizes token t on the epilogue warps,
+   which count it on the ready word (release) as soon as they are done; no
+   thread waits here: only the gatherers wait (acquire) until all M are
+   counted (``await_tokens``, before their first B tile); the producer's
+   weight loads start once this CTA's tables are done.
 3. ``number_units``: route masks (``red.or`` in shared memory),
    ``__syncthreads``; warp 0 counts and scans the experts, writes the unit
    tables and (lane 31) this CTA's ranges, then arrives on named barrier
@@ -345,6 +352,7 @@ class GroupedCommon:
         self.stamps = gp.stamps_enabled()
         assert self.GATHERERS + 1 <= self.EPILOGUE_WARP
         assert THREADS == 32 * self.EPILOGUE_WARP + EPILOGUE_THREADS
+        assert gp.LOCAL_ROUTING_TOKENS <= THREADS // 32  # warp w routes token w
 
     def launch_shape(self) -> LaunchShape:
         """One CTA per SM of ``THREADS`` threads, the layout's dynamic shared
@@ -527,15 +535,36 @@ class GroupedCommon:
     def route(self, logits: Int64, bias: Int64, ids: Int64, weights: Int64, token: Int32,
               lane: Int32):  # fmt: skip
         """One warp: top-k of ``token`` into ``ids`` / ``weights`` (row token)."""
-        esize = 2 if self.logits_bf16 else 4
-        row = logits + Int64(token) * (self.experts * esize)
-        expert, weight = mc.route_token(
-            row, bias, lane, self.experts, self.top_k, self.scale, self.logits_bf16, self.routing
-        )
+        expert, weight = self.route_of(logits, bias, token, lane)
         if lane < self.top_k:
             route = Int64(token * self.top_k + lane)
             ptx.st_global_u32(ids + route * 4, Uint32(expert))
             ptx.st_global_f32(weights + route * 4, weight)
+
+    def route_of(self, logits: Int64, bias: Int64, token, lane: Int32):
+        """One warp: ``moe_common.route_token`` of ``token`` (lane k < top_k:
+        route k's expert and weight)."""
+        esize = 2 if self.logits_bf16 else 4
+        row = logits + Int64(token) * (self.experts * esize)
+        return mc.route_token(
+            row, bias, lane, self.experts, self.top_k, self.scale, self.logits_bf16, self.routing
+        )
+
+    @cute.jit
+    def route_local(self, t: Tables, logits: Int64, bias: Int64, ids: Int64, weights: Int64,
+                    token: Int32, lane: Int32, cta: Int32):  # fmt: skip
+        """One warp of any CTA (``plan.local_routing``): top-k of ``token``
+        into this CTA's ``picks``; CTA ``token`` also stores them in ``ids`` /
+        ``weights`` (every CTA computes the same bits: the same code on the
+        same inputs, no atomics)."""
+        expert, weight = self.route_of(logits, bias, token, lane)
+        picks = t.picks
+        if lane < self.top_k:
+            route = token * self.top_k + lane
+            picks[route] = expert
+            if cta == token:
+                ptx.st_global_u32(ids + Int64(route) * 4, Uint32(expert))
+                ptx.st_global_f32(weights + Int64(route) * 4, weight)
 
     @cute.jit
     def quantize(self, x: Int64, plan_x: Int64, plan_s: Int64, token: Int32, e: Int32):
@@ -585,9 +614,34 @@ class GroupedCommon:
         if cutlass.const_expr(self.stamps):
             if tid == 0:
                 self.clear_stamps(t, cta)
+        if cutlass.const_expr(self.plan.local_routing):
+            # Every CTA routes every token, warp w token w; CTA c < M first
+            # quantizes token c on the epilogue warps and counts it on the
+            # ready word as soon as they are done (named barrier, release),
+            # so the other CTAs' gatherers wait on the quantization only.
+            if cta < self.tokens:
+                if warp >= self.EPILOGUE_WARP:
+                    e = tid - self.EPILOGUE_WARP * 32
+                    # The call counter again (thread 32's copy in ``scal`` is
+                    # not synchronized yet), in flight while quantizing.
+                    called = Int32(ptx.ld_global_cg_u32(calls))
+                    self.quantize(x, plan_x, plan_s, cta, e)
+                    if cutlass.const_expr(self.stamps):
+                        if e == 0:
+                            self.stamp(t, "quantized")
+                    ptx.fence_acq_rel_gpu()
+                    ptx.bar_sync(BAR_EPILOGUE, EPILOGUE_THREADS)
+                    if e == 0:
+                        ready = self.parity_block(counters, gp.call_parity(called, self.grid))
+                        ptx.red_add_release_gpu_u32(ready, Uint32(1))
+            if warp < self.tokens:
+                self.route_local(t, logits, bias, ids, weights, warp, lane, cta)
+                if cutlass.const_expr(self.stamps):
+                    if tid == 0:
+                        self.stamp(t, "route_done")
         # Up to the SM count (every H200 and B200 bucket) CTA c takes token c
         # alone: an ``if``, not the loop below.
-        if cutlass.const_expr(self.tokens <= self.grid):
+        elif cutlass.const_expr(self.tokens <= self.grid):
             if cta < self.tokens:
                 if warp == 0:
                     self.route(logits, bias, ids, weights, cta, lane)
@@ -616,7 +670,7 @@ class GroupedCommon:
             ptx.fence_acq_rel_gpu()
         cute.arch.sync_threads()
         if cutlass.const_expr(self.stamps):
-            if cta < self.tokens:
+            if cta < self.tokens or self.plan.local_routing:
                 self.stamp_thread0(t, tid, gp.STAMP_POINTS.index("routed"))
         parity = scal[S_PARITY]
         mine = self.parity_block(counters, parity)
@@ -625,18 +679,35 @@ class GroupedCommon:
         for i in cutlass.range(tid, per_cta, THREADS, unroll=1):
             if cta * per_cta + i < words:
                 ptx.st_global_u32(other + Int64(cta * per_cta + i) * 4, Uint32(0))
-        if tid == 0:
-            if cta < self.tokens:
-                # One count per token this CTA put in the plan.
-                if cutlass.const_expr(self.tokens <= self.grid):
-                    ptx.red_add_release_gpu_u32(mine, Uint32(1))
-                else:
-                    ptx.red_add_release_gpu_u32(
-                        mine, Uint32((self.tokens - 1 - cta) // self.grid + 1))  # fmt: skip
-            wait_at_least(mine, Uint32(self.tokens))
-        cute.arch.sync_threads()
-        ptx.fence_acq_rel_gpu()
+        if cutlass.const_expr(not self.plan.local_routing):
+            if tid == 0:
+                if cta < self.tokens:
+                    # One count per token this CTA put in the plan.
+                    if cutlass.const_expr(self.tokens <= self.grid):
+                        ptx.red_add_release_gpu_u32(mine, Uint32(1))
+                    else:
+                        ptx.red_add_release_gpu_u32(
+                            mine, Uint32((self.tokens - 1 - cta) // self.grid + 1))  # fmt: skip
+                wait_at_least(mine, Uint32(self.tokens))
+            cute.arch.sync_threads()
+            ptx.fence_acq_rel_gpu()
         return mine
+
+    @cute.jit
+    def await_tokens(self, t: Tables, mine: Int64, lane: Int32, gatherer: Int32):
+        """A gatherer warp with ``plan.local_routing``, before its first B
+        tile: lane 0 waits (acquire) until every token is counted on the
+        ready word ``mine``, then the warp fences (the quantized rows and
+        scales of other CTAs are read after it). Without local routing
+        ``start_call`` waited already."""
+        if cutlass.const_expr(self.plan.local_routing):
+            if lane == 0:
+                wait_at_least(mine, Uint32(self.tokens))
+                if cutlass.const_expr(self.stamps):
+                    if gatherer == 0:
+                        self.stamp(t, "tokens_ready")
+            cute.arch.sync_warp()
+            ptx.fence_acq_rel_gpu()
 
     # -- units ----------------------------------------------------------------------------
 
@@ -655,8 +726,9 @@ class GroupedCommon:
         words = self.plan.mask_words
         for i in cutlass.range(tid, words * experts, THREADS, unroll=1):
             mask[i] = Uint32(0)
-        for r in cutlass.range(tid, routes, THREADS, unroll=1):
-            picks[r] = Int32(ptx.ld_global_cg_u32(ids + Int64(r) * 4))
+        if cutlass.const_expr(not self.plan.local_routing):  # else routed into picks
+            for r in cutlass.range(tid, routes, THREADS, unroll=1):
+                picks[r] = Int32(ptx.ld_global_cg_u32(ids + Int64(r) * 4))
         cute.arch.sync_threads()
         mask_addr = t.base + self.layout.off_mask
         for r in cutlass.range(tid, routes, THREADS, unroll=1):

@@ -9,14 +9,17 @@ architectures; this module is Blackwell's MMA and its epilogue.
 
 Warp roles (256 threads):
 
-* warp 0: routes token ``cta`` (start of the call), then lane 0 is the
-  weight producer (``produce``);
+* at the start of a call (``grouped_common.start_call``): warp 0 routes
+  token ``cta`` and warps 4-7 quantize it (CTAs below M); with
+  ``plan.local_routing`` warps 4-7 of CTA c < M quantize token c first and
+  warp w < M of every CTA routes token w;
+* warp 0: lane 0 is the weight producer (``produce``);
 * warp 1: allocates all ``TMEM_COLUMNS`` of TMEM (its address in the
   ``tmem`` region) and issues the UMMAs (``issue``);
-* warps 2-3: the B-tile gatherers (``gather``: stages g, g + 2, ...);
-* warps 4-7: quantize token ``cta`` (start of the call), then the epilogue
-  (``epilogue``): thread e owns TMEM lane (weight row) e of every slot
-  (warp % 4 is its lane quadrant).
+* warps 2-3: the B-tile gatherers (``gather``: stages g, g + 2, ...; with
+  local routing they first wait for every token, ``await_tokens``);
+* warps 4-7: the epilogue (``epilogue``): thread e owns TMEM lane (weight
+  row) e of every slot (warp % 4 is its lane quadrant).
 
 Rings: full[stages] (``grouped_common.FULL_ARRIVALS`` arrivals and the
 weights' transaction bytes), posted[posts] (1), empty[stages] with 1 arrival
@@ -180,7 +183,8 @@ class GroupedKernel(GroupedCommon):
             ids.iterator.toint(), weights.iterator.toint(), x.iterator.toint(),
             plan_x.iterator.toint(), plan_s.iterator.toint(), cta, tid, warp, lane,
         )  # fmt: skip
-        self.stamp_thread0(t, tid, gp.STAMP_POINTS.index("tokens_ready"))
+        if cutlass.const_expr(not self.plan.local_routing):  # else the first gatherer's
+            self.stamp_thread0(t, tid, gp.STAMP_POINTS.index("tokens_ready"))
         self.number_units(t, ids.iterator.toint(), tid, warp, lane, cta)
         unit_ready = mine + self.counters.unit_ready * 4
         jobs = mine + self.counters.jobs * 4  # next FC2 job of halves A and B
@@ -191,6 +195,7 @@ class GroupedKernel(GroupedCommon):
         elif warp == MMA_WARP:
             self.issue(t, tmem, lane)
         elif warp < EPILOGUE:
+            self.await_tokens(t, mine, lane, warp - (MMA_WARP + 1))
             self.gather(
                 t, plan_x.iterator.toint(), plan_s.iterator.toint(), hidden.iterator.toint(),
                 hscale.iterator.toint(), unit_ready, lane, w13s, w2s, s13s, s2s,

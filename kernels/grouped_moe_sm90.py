@@ -8,14 +8,17 @@ architectures; this module is Hopper's MMA and its epilogue.
 
 Warp roles (256 threads):
 
-* warp 0: routes token ``cta`` (start of the call), then lane 0 is the
-  weight producer (``produce``: TMA of each stage's ``depth`` weight boxes,
-  the FC2 job claims);
+* at the start of a call (``grouped_common.start_call``): warp 0 routes
+  token ``cta`` and warps 4-7 quantize it (CTAs below M); with
+  ``plan.local_routing`` warps 4-7 of CTA c < M quantize token c first and
+  warp w < M of every CTA routes token w;
+* warp 0: lane 0 is the weight producer (``produce``: TMA of each stage's
+  ``depth`` weight boxes, the FC2 job claims);
 * warps 1-3: the B-tile gatherers (``gather``: stages g, g + 3, ...; cp.async
-  of quantized tokens / hidden rows, column scales into the scale ring);
-* warps 4-7: quantize token ``cta`` (start of the call), then the MMA
-  warpgroup, which is also the epilogue (``consume``: the accumulators live
-  in its registers).
+  of quantized tokens / hidden rows, column scales into the scale ring;
+  with local routing they first wait for every token, ``await_tokens``);
+* warps 4-7: the MMA warpgroup, which is also the epilogue (``consume``: the
+  accumulators live in its registers).
 
 Rings: full[stages] (``grouped_common.FULL_ARRIVALS`` = 1 + 32 + 32 arrivals
 and the weights' transaction bytes), posted[posts] (1), and empty[stages]
@@ -186,13 +189,15 @@ class GroupedMoeSm90(GroupedCommon):
             weights.iterator.toint(), x.iterator.toint(), plan_x.iterator.toint(),
             plan_s.iterator.toint(), cta, tid, warp, lane,
         )  # fmt: skip
-        self.stamp_thread0(t, tid, gp.STAMP_POINTS.index("tokens_ready"))
+        if cutlass.const_expr(not self.plan.local_routing):  # else the first gatherer's
+            self.stamp_thread0(t, tid, gp.STAMP_POINTS.index("tokens_ready"))
         self.number_units(t, ids.iterator.toint(), tid, warp, lane, cta)
 
         if warp == 0:
             if lane == 0:
                 self.produce(t, a_maps, mine + self.counters.jobs * 4)
         elif warp < MMA_WARP:
+            self.await_tokens(t, mine, lane, warp - 1)
             self.gather(
                 t, plan_x.iterator.toint(), plan_s.iterator.toint(), hidden.iterator.toint(),
                 hscale.iterator.toint(), mine + self.counters.unit_ready * 4, lane,

@@ -412,6 +412,14 @@ def test_the_device_code_calls_the_plan_formulas():
         assert f"``{name}``" in gp.__doc__, name
 
 
+def test_local_routing_up_to_one_token_a_warp():
+    """Calls of up to ``LOCAL_ROUTING_TOKENS`` route in every CTA (warp w token
+    w of 8 warps); a bucket above takes the grid-wide wait, on both archs."""
+    for arch in ("sm_90a", "sm_100a"):
+        served = [m for m in (1, 2, 4, 8, 16, 32, 64) if plan(tokens=m, arch=arch).local_routing]
+        assert served == [1, 2, 4, 8], arch
+
+
 # Call parity ---------------------------------------------------------------------------
 
 
