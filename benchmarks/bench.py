@@ -31,7 +31,10 @@ Method:
   return, the GPU work enqueued and not waited on (``time_host``), the
   process's thread free to move between CPUs; ``host_pinned_us``: the same
   with the calling thread pinned to one CPU (``host_cpu``, recorded as
-  ``method.host_cpu``), as a server pins the thread that feeds its GPU.
+  ``method.host_cpu``), as a server pins the thread that feeds its GPU;
+  ``cpu_probe_us``: a fixed pure-Python workload timed just before
+  (``cpu_probe``), which tells the machine's CPU speed at that moment from
+  the call's own cost.
 - Before timing, each case runs ``CHECK_CALLS`` calls on fresh inputs against
   the float64 reference (outputs NaN-poisoned); the verdict is the error
   pooled over those calls' rows (``Check``), and any case above its
@@ -92,6 +95,10 @@ CHECK_CALLS = 16
 #: but the same host path moved up to 2x between the cases of one run.
 HOST_CALLS = 200
 HOST_BATCH = 50
+#: ``cpu_probe``'s workload (integers summed by ``sum(range(...))``, ~25 us
+#: on a shared 2-core EPYC VM) and how many times it is timed.
+PROBE_LOOP = 1000
+PROBE_RUNS = 50
 #: Seconds of untimed replays of each case's graph before its timed ones
 #: (``time_graph``). With 3 replays only, the first case of a run read ~1 us
 #: slower at M = 1 than the same kernel timed next (the layer 20.5-20.8 us,
@@ -128,6 +135,7 @@ class Row:
     rel_l2_worst_call: float | None = None
     host_us: float | None = None
     host_pinned_us: float | None = None
+    cpu_probe_us: float | None = None
 
 
 @dataclass(frozen=True)
@@ -281,6 +289,18 @@ def time_eager(call, reps: int, warmup: int = 3) -> list[float]:
         end.synchronize()
         out.append(start.elapsed_time(end) * 1e3)
     return out
+
+
+def cpu_probe(runs: int = PROBE_RUNS, loop: int = PROBE_LOOP) -> float:
+    """Microseconds of ``sum(range(loop))``, the median of ``runs``
+    timings: the same work every time, so it moves only with the CPU's own
+    speed (clocks, other tenants, caches), not with the code under test."""
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        sum(range(loop))
+        times.append((time.perf_counter() - start) * 1e6)
+    return round(statistics.median(times), 2)
 
 
 def host_cpu() -> int | None:
@@ -439,10 +459,11 @@ class Bench:
 
     def _row(
         self, kernel, m, routing, distinct, shared, times, check: Check, host=None,
-        host_pinned=None, **extra,
+        host_pinned=None, probe=None, **extra,
     ) -> Row:  # fmt: skip
         """The row of one case: GPU ``times``, ``host`` and ``host_pinned``
-        times (us, None where not measured) and its ``check``."""
+        times (us, None where not measured), the ``cpu_probe`` us beside
+        them and its ``check``."""
         wb = self._bytes(distinct, shared)
         med = statistics.median(times)
         tb = wb / (med * 1e-6) / 1e12
@@ -456,7 +477,7 @@ class Bench:
             correct=check.rel_l2 <= TOLERANCE[kernel], rel_l2=check.rel_l2,
             max_abs=check.max_abs, near_ties=check.near_ties,
             rel_l2_worst_call=check.rel_l2_worst_call, host_us=host_us,
-            host_pinned_us=pinned_us, **extra,
+            host_pinned_us=pinned_us, cpu_probe_us=probe, **extra,
         )  # fmt: skip
 
     # Correctness of one case on fresh inputs ----------------------------------------
@@ -509,7 +530,10 @@ class Bench:
     def time_case(self, kind: str, m: int, routing: str, finalize: bool = False):
         """(mean distinct experts, GPU us per call of each replay or eager
         call, host us of each eager call unpinned and pinned to ``host_cpu``,
-        or (None, None)) of one case on ``POOL`` fresh inputs."""
+        and the ``cpu_probe`` taken just before them, or (None, None, None))
+        of one case on ``POOL`` fresh inputs. Each call's inputs are views
+        made before timing, so a call's host time is the layer's own, not the
+        indexing of the pool."""
         x, logits, bias = routing_inputs(routing, m, self.shape, POOL, self.g, self.device)
         distinct = distinct_experts(logits, bias, self.shape)
         if kind == "baseline":
@@ -517,19 +541,21 @@ class Bench:
             times = []
             for call in calls:
                 times += time_eager(call, max(1, self.reps // POOL))
-            return distinct, times, (None, None)
+            return distinct, times, (None, None, None)
 
-        def call(p):
-            layer = self.copies[p % COPIES][1]
+        def call(layer, x, logits):
             if kind == "mega":
-                return layer.mega(x[p], logits[p], bias)
+                return layer.mega(x, logits, bias)
             if kind == "grouped":
-                return layer.grouped(x[p], logits[p], bias, finalize=finalize)
-            return layer(x[p], logits[p], bias)
+                return layer.grouped(x, logits, bias, finalize=finalize)
+            return layer(x, logits, bias)
 
-        calls = [lambda p=p: call(p) for p in range(POOL)]
+        calls = [
+            lambda a=(self.copies[p % COPIES][1], x[p], logits[p]): call(*a) for p in range(POOL)
+        ]
         times = time_graph(calls, self.reps)
-        return distinct, times, (time_host(calls), time_host(calls, cpu=self.host_cpu))
+        probe = cpu_probe()
+        return distinct, times, (time_host(calls), time_host(calls, cpu=self.host_cpu), probe)
 
     def run(self, tokens, routings) -> list[Row]:
         """Every case of every (routing, M): the layer, the baseline, the mega
@@ -560,16 +586,19 @@ class Bench:
                     cases.append(("grouped", False, above[0]))
                 for kind, fin, bucket in cases:
                     check = self.check(kind, m, routing, fin)
-                    distinct, times, (host, pinned_host) = self.time_case(kind, m, routing, fin)
+                    distinct, times, (host, pinned_host, probe) = self.time_case(
+                        kind, m, routing, fin
+                    )
                     shared = kind != "mega" or mega_shared  # _bytes: where the model has one
                     extra = {"finalize": fin} if kind == "grouped" else {}
                     row = self._row(
                         kind, m, routing, distinct, shared, times, check, host, pinned_host,
-                        bucket=bucket, **extra,
+                        probe, bucket=bucket, **extra,
                     )  # fmt: skip
                     host_text = "" if row.host_us is None else (
                         f" host {row.host_us:6.1f} us"
-                        + ("" if row.host_pinned_us is None else f" ({row.host_pinned_us:.1f} pinned)")
+                        + ("" if row.host_pinned_us is None else f" ({row.host_pinned_us:.1f} pinned,"
+                           f" probe {row.cpu_probe_us:.1f})")
                     )  # fmt: skip
                     rows.append(row)
                     padded = f" (bucket {bucket})" if bucket not in (None, m) else ""
@@ -612,6 +641,7 @@ class Bench:
                 "check_calls": CHECK_CALLS,
                 "host_calls": HOST_CALLS,
                 "host_cpu": self.host_cpu,
+                "cpu_probe": {"loop": PROBE_LOOP, "runs": PROBE_RUNS},
                 "warmup_s": WARMUP_S,
                 "routing": routing_rule(self.shape),
             },  # fmt: skip

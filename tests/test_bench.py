@@ -425,6 +425,7 @@ def test_run_counts_the_shared_expert_only_where_the_model_has_one(shape, monkey
     monkeypatch.setattr(bench_module, "time_graph", timed)
     monkeypatch.setattr(bench_module, "time_eager", timed)
     monkeypatch.setattr(bench_module, "time_host", lambda calls, cpu=None: [3.0 if cpu else 4.0])
+    monkeypatch.setattr(bench_module, "cpu_probe", lambda: 7.0)
     monkeypatch.setattr(bench_module, "device_facts", lambda d: {"device": "CPU", "driver": "-",
                                                                  "sms": 0})  # fmt: skip
     monkeypatch.setattr(bench_module, "commit_id", lambda: "abc")
@@ -460,7 +461,8 @@ def test_run_counts_the_shared_expert_only_where_the_model_has_one(shape, monkey
         assert 1 <= r.distinct_experts <= min(shape.experts, r.tokens * shape.top_k)
         assert r.tb_s == round(r.weight_bytes / 10e-6 / 1e12, 3)
         timed_host = r.kernel != "baseline"
-        assert (r.host_us, r.host_pinned_us) == ((4.0, 3.0) if timed_host else (None, None))
+        hosts = (r.host_us, r.host_pinned_us, r.cpu_probe_us)
+        assert hosts == ((4.0, 3.0, 7.0) if timed_host else (None, None, None))
     assert len(logged) == len(rows) == 16
     result = bench.result(rows)
     assert result["method"]["routing"]["skews"] == ("bias" if shape.bias else "logits")
@@ -509,6 +511,16 @@ def test_time_host_pins_the_calling_thread_and_restores_it(monkeypatch):
     with pytest.raises(RuntimeError):
         time_host([boom], n=2, batch=1, cpu=1)
     assert state["cpus"] == {0, 1, 2, 3}
+
+
+def test_cpu_probe_is_the_median_time_of_its_fixed_workload(monkeypatch):
+    """Each run is timed on its own (two clock reads around the loop); the
+    probe is the median of the runs in microseconds."""
+    clock = iter([0.0, 10e-6, 1.0, 1.0 + 30e-6, 2.0, 2.0 + 20e-6])
+    monkeypatch.setattr(time, "perf_counter", lambda: next(clock))
+    assert bench_module.cpu_probe(runs=3, loop=10) == 20.0
+    monkeypatch.undo()
+    assert 0 < bench_module.cpu_probe(runs=5) < 1e5
 
 
 def test_summary_of_an_m_above_every_bucket_names_the_chunks():
