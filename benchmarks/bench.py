@@ -613,7 +613,7 @@ class Bench:
 
     def result(self, rows: list[Row]) -> dict:
         """The result JSON of ``rows``: device, driver, SMs, copy bandwidth,
-        commit, date, toolchain and artifact (config name, hash and the
+        ``gpu_state`` (start and end), commit, date, toolchain and artifact (config name, hash and the
         model's ``MoEShape``); the method's constants (``routing``: how the
         routing kinds skew this model, ``routing_rule``); the mega/grouped
         crossover; each variant's ``residency``; every row."""

@@ -48,9 +48,12 @@ def bench(artifact, tokens, routings, reps, seed, json_out, plot_out) -> None:
     rule is in the result JSON's method.routing), each checked against the float64
     reference on fresh inputs (the error pooled over several calls), then timed
     by CUDA graph replay with weights rotated over several copies so L2 cannot
-    hold them. Reports time, eager host time per call, weight bytes, TB/s and
-    the fraction of the device-to-device copy bandwidth measured in the same
-    run. Exit status 1 if any case disagrees with the reference.
+    hold them. Reports time, eager host time per call (free, and with the
+    thread pinned to one CPU, beside a fixed CPU workload's time that tells
+    a slow machine from a slow call), weight bytes, TB/s and the fraction of
+    the device-to-device copy bandwidth measured in the same run; the result
+    JSON also records the GPU's clocks, power and throttle reasons at the
+    start and end. Exit status 1 if any case disagrees with the reference.
     """
     import torch
 
