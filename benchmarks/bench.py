@@ -392,10 +392,21 @@ GPU_STATE_FIELDS = (
 )  # fmt: skip
 
 
+def smi_id(device: torch.device) -> str:
+    """``device`` as nvidia-smi's ``--id`` names it: its UUID (nvidia-smi
+    numbers GPUs in PCI order and ignores CUDA_VISIBLE_DEVICES, so torch's
+    index may name another GPU), or the index where torch gives no UUID."""
+    try:
+        uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
+    except (AssertionError, RuntimeError, ValueError):  # no CUDA device to ask
+        uuid = None
+    return f"GPU-{uuid}" if uuid else str(device.index or 0)
+
+
 def gpu_state(device: torch.device) -> dict:
     """``GPU_STATE_FIELDS`` of ``device`` as nvidia-smi reports them now
     (strings with their units), or {} where nvidia-smi cannot tell."""
-    out = _env_fact(["nvidia-smi", f"--id={device.index or 0}",
+    out = _env_fact(["nvidia-smi", f"--id={smi_id(device)}",
                      f"--query-gpu={','.join(GPU_STATE_FIELDS)}", "--format=csv,noheader"], "")  # fmt: skip
     values = [v.strip() for v in out.splitlines()[0].split(",")] if out else []
     if len(values) != len(GPU_STATE_FIELDS):
@@ -555,7 +566,8 @@ class Bench:
         ]
         times = time_graph(calls, self.reps)
         probe = cpu_probe()
-        return distinct, times, (time_host(calls), time_host(calls, cpu=self.host_cpu), probe)
+        pinned = None if self.host_cpu is None else time_host(calls, cpu=self.host_cpu)
+        return distinct, times, (time_host(calls), pinned, probe)
 
     def run(self, tokens, routings) -> list[Row]:
         """Every case of every (routing, M): the layer, the baseline, the mega

@@ -419,8 +419,9 @@ class GroupedCommon:
         may not write, so none reads an earlier call's time: the points from
         ``tokens_ready`` on (written after ``start_call``'s first
         ``__syncthreads``, some not by every CTA: a CTA without FC2 stages),
-        and in a CTA that routes no token (``cta`` >= M) the start's own
-        (the stamps may hold a larger bucket's call on the same stream)."""
+        and in a CTA that quantizes no token (``cta`` >= M) the start's own
+        that it does not write (the stamps may hold a larger bucket's call on
+        the same stream)."""
         start = gp.STAMP_POINTS.index("route_done")
         later = gp.STAMP_POINTS.index("tokens_ready")
         for i in cutlass.range_constexpr(start, len(gp.STAMP_POINTS)):
@@ -604,8 +605,11 @@ class GroupedCommon:
         """After the PDL wait: CTA c routes and quantizes tokens c, c + grid, ...
         (token c alone where M <= grid); every CTA
         learns its call parity, zeroes its slice of the other parity's counters
-        (the next call's) and waits until every token is in the plan. Returns
-        this call's counter block."""
+        (the next call's) and waits until every token is in the plan. With
+        ``plan.local_routing``: CTA c < M quantizes token c and counts it,
+        every CTA routes every token into its ``picks``, and no thread waits
+        (the gatherers do, ``await_tokens``). Returns this call's counter
+        block."""
         words = self.counters.words
         calls = counters + self.counters.calls * 4
         scal = t.scal
@@ -670,7 +674,7 @@ class GroupedCommon:
             ptx.fence_acq_rel_gpu()
         cute.arch.sync_threads()
         if cutlass.const_expr(self.stamps):
-            if cta < self.tokens or self.plan.local_routing:
+            if self.plan.local_routing or cta < self.tokens:  # compile-time first
                 self.stamp_thread0(t, tid, gp.STAMP_POINTS.index("routed"))
         parity = scal[S_PARITY]
         mine = self.parity_block(counters, parity)

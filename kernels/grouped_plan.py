@@ -64,9 +64,10 @@ DEPTH = 2  # K blocks of a weight stage (when both K extents divide by it)
 #: token (a CTA's 256 threads are 8 warps), so a CTA's unit tables need no
 #: other CTA: its weight loads start once its own warps have routed, and only
 #: its gatherers wait, before their first B tile, until every token's
-#: quantized row is counted. Larger calls route token c in CTA c and every
-#: CTA waits for all M before its tables (docs/notes/grouped-sm90.md,
-#: "Routing in every CTA").
+#: quantized row is counted. It needs a CTA for each token too (CTA c
+#: quantizes token c), so a grid below M takes the other path. Larger calls
+#: route token c in CTA c and every CTA waits for all M before its tables
+#: (docs/notes/grouped-sm90.md, "Routing in every CTA").
 LOCAL_ROUTING_TOKENS = 8
 SPLIT_UNITS = 40  # above this many units, halves A and B
 STAGE_BYTES = TILE * TILE  # one FP8 128 x 128 box
@@ -89,9 +90,10 @@ STAMPS_ENV = "MOE_BUILD_STAMPS"
 #: after the PDL wait; CTAs below M only: the router warp's lane 0 once token
 #: ``cta`` is routed, the first quantizing thread once it quantized its part
 #: (both before their release fence), thread 0 once both are done and fenced;
-#: then thread 0 once every token is planned (with ``local_routing``: warp 0's
-#: lane 0 once it routed token 0 and thread 0 after the routing, in every CTA;
-#: the first gatherer once every token is planned); the producer's start
+#: then thread 0 once every token is planned (with ``local_routing``, in
+#: every CTA: warp 0's lane 0 once it routed token 0, thread 0 after the
+#: routing's ``__syncthreads`` (no fence: the routes stay in shared memory),
+#: the first gatherer once every token is counted); the producer's start
 #: (unit tables done), end of its FC1 posts and of all posts; the MMA
 #: consumer's first full stage, its last FC1 stage done, its first FC2 stage
 #: full and its END; a gatherer's first FC2 unit ready; thread 0 after the
@@ -310,8 +312,9 @@ class GroupedPlan:
         lambda self: unit_capacity(self.experts, self.top_k, self.tokens, self.group)
     )
     chunk = property(lambda self: chunk_jobs(self.tokens, self.arch))
-    #: Every CTA routes every token itself (``LOCAL_ROUTING_TOKENS``).
-    local_routing = property(lambda self: self.tokens <= LOCAL_ROUTING_TOKENS)
+    #: Every CTA routes every token itself (``LOCAL_ROUTING_TOKENS``; CTA c
+    #: quantizes token c, so only where the grid has a CTA for every token).
+    local_routing = property(lambda self: self.tokens <= min(LOCAL_ROUTING_TOKENS, self.grid))
     counters = property(lambda self: counters(self.experts, self.top_k, self.pairs))
 
 

@@ -619,3 +619,20 @@ def test_gpu_state_reads_the_fields_in_order_or_nothing(monkeypatch):
     assert bench_module.gpu_state(torch.device("cpu")) == {}
     monkeypatch.setattr(bench_module, "_env_fact", lambda cmd, fallback="unknown": "a, b")
     assert bench_module.gpu_state(torch.device("cpu")) == {}
+
+
+def test_gpu_state_asks_nvidia_smi_for_the_gpu_by_uuid(monkeypatch):
+    """nvidia-smi numbers GPUs in PCI order, not as CUDA_VISIBLE_DEVICES
+    does: the query names torch's device by its UUID, the index only where
+    torch has none."""
+    asked = []
+    monkeypatch.setattr(
+        bench_module, "_env_fact", lambda cmd, fallback="unknown": asked.append(cmd) or ""
+    )
+    props = SimpleNamespace(uuid="1234-abcd")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: props)
+    bench_module.gpu_state(torch.device("cuda", 1))
+    assert "--id=GPU-1234-abcd" in asked[-1]
+    props.uuid = None
+    bench_module.gpu_state(torch.device("cuda", 1))
+    assert "--id=1" in asked[-1]

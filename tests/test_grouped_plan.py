@@ -414,10 +414,14 @@ def test_the_device_code_calls_the_plan_formulas():
 
 def test_local_routing_up_to_one_token_a_warp():
     """Calls of up to ``LOCAL_ROUTING_TOKENS`` route in every CTA (warp w token
-    w of 8 warps); a bucket above takes the grid-wide wait, on both archs."""
+    w of 8 warps); a bucket above takes the grid-wide wait, on both archs. CTA
+    c quantizes token c, so a grid smaller than M takes it too (a GPU of 7
+    SMs at M = 8 would otherwise wait for a count that never comes)."""
     for arch in ("sm_90a", "sm_100a"):
         served = [m for m in (1, 2, 4, 8, 16, 32, 64) if plan(tokens=m, arch=arch).local_routing]
         assert served == [1, 2, 4, 8], arch
+    assert [g for g in (1, 4, 7, 8, 9) if plan(tokens=8, grid=g).local_routing] == [8, 9]
+    assert plan(tokens=4, grid=4).local_routing and not plan(tokens=4, grid=3).local_routing
 
 
 # Call parity ---------------------------------------------------------------------------
