@@ -392,6 +392,18 @@ MUTATIONS = (
         "runner = ops.redux_max(ops.select(lane_u == holder, second, second))",
         ("tests/test_routing_groups.py::test_random_tokens_match_the_reference",),
     ),
+    Mutation(
+        "local-routing-on-a-grid-below-m", "kernels/grouped_plan.py",
+        "self.tokens <= min(LOCAL_ROUTING_TOKENS, self.grid)",
+        "self.tokens <= LOCAL_ROUTING_TOKENS",
+        ("tests/test_grouped_plan.py::test_local_routing_up_to_one_token_a_warp",),
+    ),
+    Mutation(
+        "bench-pinned-figure-without-a-cpu", "benchmarks/bench.py",
+        "pinned = None if self.host_cpu is None else time_host(calls, cpu=self.host_cpu)",
+        "pinned = time_host(calls, cpu=self.host_cpu)",
+        ("tests/test_bench.py::test_run_counts_the_shared_expert_only_where_the_model_has_one",),
+    ),
 )  # fmt: skip
 
 

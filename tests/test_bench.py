@@ -462,6 +462,8 @@ def test_run_counts_the_shared_expert_only_where_the_model_has_one(shape, monkey
         hosts = (r.host_us, r.host_pinned_us, r.cpu_probe_us)
         assert hosts == ((4.0, 3.0, 7.0) if timed_host else (None, None, None))
     assert len(logged) == len(rows) == 16
+    bench.host_cpu = None  # where the OS cannot pin: no pinned figure, not a free one
+    assert {r.host_pinned_us for r in bench.run([8], ["random"])} == {None}
     result = bench.result(rows)
     assert result["method"]["routing"]["skews"] == ("bias" if shape.bias else "logits")
     assert table(result).count("\n| skewed |") == 8 and "| random | 8 |" in summary(result)
