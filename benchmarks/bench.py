@@ -382,10 +382,10 @@ def device_facts(device: torch.device) -> dict:
 
 
 #: The GPU state ``gpu_state`` records (``nvidia-smi --query-gpu`` fields):
-#: clocks, power and the reasons the clocks are held down, because runs of
-#: near-identical builds have read several percent apart on other days (the
-#: GLM-5.3 layer at M = 8, random routing: 84.2-90.0 us in the committed
-#: results) with the copy bandwidth alone to tell the runs apart.
+#: clocks, power and the reasons the clocks are held down, so that a run on a
+#: power-capped or down-clocked GPU shows it (the copy bandwidth, measured
+#: once before the cases, does not: one run ended at 1905 of 1980 MHz, capped
+#: at 652 W, `benchmarks/results/h200-2026-12-03-19a7244-host.json`).
 GPU_STATE_FIELDS = (
     "clocks.sm", "clocks.mem", "clocks.max.sm", "clocks.max.mem", "power.draw",
     "power.limit", "temperature.gpu", "clocks_event_reasons.active",
@@ -478,8 +478,8 @@ class Bench:
         wb = self._bytes(distinct, shared)
         med = statistics.median(times)
         tb = wb / (med * 1e-6) / 1e12
-        host_us = None if host is None else round(statistics.median(host), 2)
-        pinned_us = None if host_pinned is None else round(statistics.median(host_pinned), 2)
+        host_us, pinned_us = (None if h is None else round(statistics.median(h), 2)
+                              for h in (host, host_pinned))  # fmt: skip
         return Row(
             kernel=kernel, arch=self.artifact.arch, tokens=m, routing=routing,
             distinct_experts=round(distinct, 2), weight_bytes=wb, time_us=round(med, 2),
@@ -625,8 +625,8 @@ class Bench:
 
     def result(self, rows: list[Row]) -> dict:
         """The result JSON of ``rows``: device, driver, SMs, copy bandwidth,
-        ``gpu_state`` (start and end), commit, date, toolchain and artifact (config name, hash and the
-        model's ``MoEShape``); the method's constants (``routing``: how the
+        ``gpu_state`` (start and end), commit, date, toolchain and artifact
+        (config name, hash and the model's ``MoEShape``); the method's constants (``routing``: how the
         routing kinds skew this model, ``routing_rule``); the mega/grouped
         crossover; each variant's ``residency``; every row."""
         facts = device_facts(self.device)

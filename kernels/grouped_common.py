@@ -538,9 +538,13 @@ class GroupedCommon:
         """One warp: top-k of ``token`` into ``ids`` / ``weights`` (row token)."""
         expert, weight = self.route_of(logits, bias, token, lane)
         if lane < self.top_k:
-            route = Int64(token * self.top_k + lane)
-            ptx.st_global_u32(ids + route * 4, Uint32(expert))
-            ptx.st_global_f32(weights + route * 4, weight)
+            self.store_route(ids, weights, token * self.top_k + lane, expert, weight)
+
+    def store_route(self, ids: Int64, weights: Int64, route, expert, weight):
+        """Route ``route``'s (token * top_k + k) expert and weight into the
+        call's ``ids`` / ``weights`` rows."""
+        ptx.st_global_u32(ids + Int64(route) * 4, Uint32(expert))
+        ptx.st_global_f32(weights + Int64(route) * 4, weight)
 
     def route_of(self, logits: Int64, bias: Int64, token, lane: Int32):
         """One warp: ``moe_common.route_token`` of ``token`` (lane k < top_k:
@@ -564,8 +568,7 @@ class GroupedCommon:
             route = token * self.top_k + lane
             picks[route] = expert
             if cta == token:
-                ptx.st_global_u32(ids + Int64(route) * 4, Uint32(expert))
-                ptx.st_global_f32(weights + Int64(route) * 4, weight)
+                self.store_route(ids, weights, route, expert, weight)
 
     @cute.jit
     def quantize(self, x: Int64, plan_x: Int64, plan_s: Int64, token: Int32, e: Int32):
@@ -695,6 +698,7 @@ class GroupedCommon:
                 wait_at_least(mine, Uint32(self.tokens))
             cute.arch.sync_threads()
             ptx.fence_acq_rel_gpu()
+            self.stamp_thread0(t, tid, gp.STAMP_POINTS.index("tokens_ready"))
         return mine
 
     @cute.jit

@@ -183,8 +183,6 @@ class GroupedKernel(GroupedCommon):
             ids.iterator.toint(), weights.iterator.toint(), x.iterator.toint(),
             plan_x.iterator.toint(), plan_s.iterator.toint(), cta, tid, warp, lane,
         )  # fmt: skip
-        if cutlass.const_expr(not self.plan.local_routing):  # else the first gatherer's
-            self.stamp_thread0(t, tid, gp.STAMP_POINTS.index("tokens_ready"))
         self.number_units(t, ids.iterator.toint(), tid, warp, lane, cta)
         unit_ready = mine + self.counters.unit_ready * 4
         jobs = mine + self.counters.jobs * 4  # next FC2 job of halves A and B

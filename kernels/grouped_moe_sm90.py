@@ -189,8 +189,6 @@ class GroupedMoeSm90(GroupedCommon):
             weights.iterator.toint(), x.iterator.toint(), plan_x.iterator.toint(),
             plan_s.iterator.toint(), cta, tid, warp, lane,
         )  # fmt: skip
-        if cutlass.const_expr(not self.plan.local_routing):  # else the first gatherer's
-            self.stamp_thread0(t, tid, gp.STAMP_POINTS.index("tokens_ready"))
         self.number_units(t, ids.iterator.toint(), tid, warp, lane, cta)
 
         if warp == 0:
