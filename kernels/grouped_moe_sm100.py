@@ -174,8 +174,8 @@ class GroupedKernel(GroupedCommon):
         tc.tcgen05_fence_after_thread_sync()
         tmem = Int32(ptx.ld_shared_u32(tmem_at))
 
-        # No early launch_dependents: the finalize publish reads the routing
-        # weights this kernel writes before its own PDL wait.
+        # No launch_dependents here (sm_90a issues it at entry): its effect
+        # was measured on the H200 only (docs/notes/grouped-sm90.md).
         ptx.griddepcontrol_wait()
         self.stamp_thread0(t, tid, gp.STAMP_POINTS.index("pdl_wait"))
         mine = self.start_call(

@@ -161,6 +161,10 @@ class GroupedMoeSm90(GroupedCommon):
         self.stamp_thread0(t, tid, gp.STAMP_POINTS.index("entry"))
 
         if tid == 0:
+            # The next grid may launch once every CTA is here; it reads
+            # nothing of this call before its own griddepcontrol.wait
+            # (grouped_common's docstring, phase 1).
+            ptx.griddepcontrol_launch_dependents()
             # Every MMA thread's arrival frees a weight stage.
             self.init_barriers(t, EPILOGUE_THREADS)
             # No tensor-map proxy fence: the runtime never rewrites a maps
@@ -180,8 +184,6 @@ class GroupedMoeSm90(GroupedCommon):
             )  # fmt: skip
         cute.arch.sync_threads()
 
-        # No early launch_dependents: the finalize reads the routing weights
-        # this kernel writes, and a dependent grid may read them.
         ptx.griddepcontrol_wait()
         self.stamp_thread0(t, tid, gp.STAMP_POINTS.index("pdl_wait"))
         mine = self.start_call(

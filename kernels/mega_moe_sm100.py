@@ -166,7 +166,8 @@ class MegaKernel(mgc.MegaEntries):
         tc.tcgen05_fence_after_thread_sync()
         tmem = Int32(ptx.ld_shared_u32(sm + plan.offset("tmem")))
 
-        # No early launch_dependents: a dependent grid may read `weights`.
+        # No launch_dependents, as on sm_90a (docs/notes/mega-sm90.md, "Early
+        # launch of the next call").
         ptx.griddepcontrol_wait()
         expert = Int32(0)
         weight = Float32(0.0)

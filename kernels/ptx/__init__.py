@@ -21,7 +21,8 @@ module             instructions
                    release / relaxed atomics and reductions, ``cp.async``,
                    shared loads / stores / ``red.or``
 ``sync``           ``redux.sync`` u32, named barriers, proxy / ``acq_rel.gpu``
-                   fences, ``griddepcontrol.wait``, ``%globaltimer``, ``trap``
+                   fences, ``griddepcontrol`` wait and launch_dependents,
+                   ``%globaltimer``, ``trap``
 ``tcgen05``        (sm_100a only; its own owner) TMEM, UMMA, commit
 =================  ============================================================
 
@@ -109,6 +110,7 @@ from .sync import (  # noqa: F401
     fence_acq_rel_gpu,
     fence_proxy_async_shared,
     globaltimer,
+    griddepcontrol_launch_dependents,
     griddepcontrol_wait,
     redux_max_u32,
     redux_min_u32,

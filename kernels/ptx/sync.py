@@ -57,6 +57,17 @@ def griddepcontrol_wait(*, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
+def griddepcontrol_launch_dependents(*, loc=None, ip=None) -> None:
+    """``griddepcontrol.launch_dependents``: the grid launched after this one
+    with programmatic dependent launch may be scheduled once every CTA of this
+    grid has issued it (or exited), instead of once every CTA has exited. It
+    publishes nothing: the dependent's ``griddepcontrol.wait`` still returns
+    only when this grid has completed and its writes are visible. A no-op
+    without PDL; one issue per CTA is enough."""
+    asm("griddepcontrol.launch_dependents;", "", "", memory=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
 def globaltimer(*, loc=None, ip=None) -> Int64:
     """``mov.u64 %globaltimer``: the GPU's global nanosecond timer (it ticks
     in steps of about a microsecond; only differences mean anything)."""
