@@ -638,3 +638,13 @@ def test_gpu_state_asks_nvidia_smi_for_the_gpu_by_uuid(monkeypatch):
     props.uuid = None
     bench_module.gpu_state(torch.device("cuda", 1))
     assert "--id=1" in asked[-1]
+
+
+def test_ab_layer_table_lists_each_artifacts_rounds_per_case():
+    from benchmarks.ab_layer import table
+
+    times = {"random 1": {"a": [19.44, 19.92], "b": [23.46]}, "skewed 8": {"b": [40.35, 47.5]}}
+    lines = table(times, ["a", "b"])
+    assert lines[0] == "| case | a | b |" and lines[1] == "|---|---|---|"
+    assert lines[2] == "| random 1 | 19.4 / 19.9 | 23.5 |"
+    assert lines[3] == "| skewed 8 |  | 40.4 / 47.5 |"

@@ -1,0 +1,79 @@
+"""Same-seed A/B of the layer call across artifacts of one model (needs a GPU):
+
+    python3 -m benchmarks.ab_layer ART_A ART_B [...] --rounds 3 \\
+        --tokens 1,2,3,4,8,16,32,64 --routing random,uniform,skewed --json F
+
+Each round runs every artifact in the order given; for each artifact it makes
+a fresh ``bench.Bench`` with the same seed and times the same cases in the
+same order (``Bench.time_case("layer", ...)``: CUDA graphs of ``bench.POOL``
+calls, weights rotated over ``bench.COPIES`` copies, ``bench.WARMUP_S`` of
+untimed replays, median of ``--reps``), so every artifact meets the same
+weights and inputs. The first round first checks the layer of each artifact
+against the float64 reference at M = 1, 4, 8 and 64 (random routing), which
+draws from the seed too: rows compare across artifacts within a round, and
+rounds 1.. with each other. Prints, per case, each artifact's median of each
+round in us; an artifact whose check fails is reported and the run exits 1.
+Only the layer is timed: for a kernel's own row use ``moe-build bench``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+SEED = 41
+CHECK_TOKENS = (1, 4, 8, 64)
+
+
+def table(times: dict[str, dict[str, list[float]]], artifacts: list[str]) -> list[str]:
+    """Markdown rows: one per case, each artifact's medians (us) by round."""
+    lines = ["| case | " + " | ".join(artifacts) + " |", "|---" * (len(artifacts) + 1) + "|"]
+    for case, per in times.items():
+        cells = [" / ".join(f"{t:.1f}" for t in per.get(a, [])) for a in artifacts]
+        lines.append(f"| {case} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("artifacts", nargs="+")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tokens", default="1,2,3,4,8,16,32,64")
+    ap.add_argument("--routing", default="random,uniform,skewed")
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--seed", type=int, default=SEED)
+    ap.add_argument("--json", help="write {case: {artifact: [us by round]}} here")
+    args = ap.parse_args(argv)
+    from benchmarks.bench import TOLERANCE, Bench
+
+    tokens = [int(t) for t in args.tokens.split(",")]
+    routings = args.routing.split(",")
+    times: dict[str, dict[str, list[float]]] = {}
+    failed = False
+    for r in range(args.rounds):
+        for a in args.artifacts:
+            b = Bench(a, reps=args.reps, seed=args.seed, log=lambda *_: None)
+            if r == 0:
+                for m in CHECK_TOKENS:
+                    c = b.check("layer", m, "random")
+                    ok = c.rel_l2 <= TOLERANCE["layer"]
+                    failed |= not ok
+                    print(f"check {a} M={m} rel_l2 {c.rel_l2:.2e}{'' if ok else ' WRONG'}")
+            for routing in routings:
+                for m in tokens:
+                    _, per_call, _ = b.time_case("layer", m, routing)
+                    key = f"{routing} {m}"
+                    times.setdefault(key, {}).setdefault(a, []).append(statistics.median(per_call))
+            print(f"round {r} {a}: copy {b.copy_tb_s:.3f} TB/s", flush=True)
+            del b
+    print("\n".join(table(times, args.artifacts)))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(times, f, indent=1)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
