@@ -150,6 +150,13 @@ def test_launch_records_follow_the_plan(built):
         params = re.findall(r"\.param ([^\n]*?)moe_grouped_sm90_0_param_\d+(\[\d+\])?", entry)
         assert len(params) == len(params_of(s))
         assert all(size == "[8]" or ".u64" in decl for decl, size in params), params
+        # The next call may launch once every CTA has started (PDL): the
+        # trigger comes before the wait, and no global write before the wait
+        # (grouped_common's docstring, phase 1).
+        body = ptx[ptx.index(".entry moe_grouped_sm90_0(") :]
+        wait = body.index("griddepcontrol.wait")
+        assert body.index("griddepcontrol.launch_dependents") < wait
+        assert not re.search(r"\b(st|atom|red)\.global", body[:wait])
 
 
 #: Grids other than glm5's for the call counter's check (one small variant each).

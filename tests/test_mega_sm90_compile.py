@@ -112,6 +112,8 @@ def test_launch_records_match_the_mega_abi(built):
         assert all(size == "[8]" or ".u64" in decl for decl, size in params), params
         wait = body.index("griddepcontrol.wait")
         assert all(body.index(load) > wait for load in ("ld.global.nc", "cp.async.bulk.tensor"))
+        # No early launch of the next grid (docs/notes/mega-sm90.md).
+        assert "griddepcontrol.launch_dependents" not in body
 
 
 #: Other models' shards (docs/models.md): an uneven GEMM2 split over a
