@@ -45,11 +45,12 @@ to stages + slots stages after they are written, so both are stages + slots
 Phases of a call, and what each waits on:
 
 1. sm_90a: thread 0 issues ``griddepcontrol.launch_dependents`` first, so
-   the next grid (the next call, under PDL) launches once every CTA of this
-   one has started and its CTAs take SMs as this call's exit; before its own
-   ``griddepcontrol.wait`` a grid only reads static inputs and writes its own
-   shared memory (and a diagnostics build its entry stamp), and that wait returns only once the previous grid has
-   completed with its writes visible, so no call sees another's workspaces
+   the next grid (the next call, under PDL) may be launched once every CTA
+   of this one has started, not only once all have exited; before its own
+   ``griddepcontrol.wait`` a grid only prefetches static inputs and writes
+   its own shared memory (and a diagnostics build its entry stamp), and
+   that wait returns only once the previous grid has completed with its
+   writes visible, so no call sees another's workspaces
    early. (sm_100a does not issue it: not measured on a B200.) Barrier init
    and L2 prefetches of static inputs; ``__syncthreads``;
    ``griddepcontrol.wait`` (the previous call's grid has finished).
