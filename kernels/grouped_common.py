@@ -50,8 +50,8 @@ Phases of a call, and what each waits on:
    ``griddepcontrol.wait`` a grid only prefetches static inputs and writes
    its own shared memory (and a diagnostics build its entry stamp), and
    that wait returns only once the previous grid has completed with its
-   writes visible, so no call sees another's workspaces
-   early. (sm_100a does not issue it: not measured on a B200.) Barrier init
+   writes visible, so no call sees another's workspaces early. (sm_100a
+   does not issue it: not measured on a B200.) Barrier init
    and L2 prefetches of static inputs; ``__syncthreads``;
    ``griddepcontrol.wait`` (the previous call's grid has finished).
 2. ``start_call``: CTA t < M routes token t (warp 0) and quantizes it (the

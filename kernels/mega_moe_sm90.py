@@ -173,9 +173,9 @@ class MegaMoeSm90(mgc.MegaEntries):
         ptx.cluster_arrive_relaxed()
         cute.arch.sync_threads()
 
-        # No launch_dependents: issued at entry, the next call's clusters took
-        # the SMs this call leaves free and M = 1, 2, 4 ran 3-5 us slower
-        # (docs/notes/mega-sm90.md, "Early launch of the next call").
+        # No launch_dependents: with it (at entry or after the last load)
+        # M = 1, 2, 4 ran 2.7-5.6 us slower, likely from where the next call's
+        # clusters land (docs/notes/mega-sm90.md, "Early launch of the next call").
         dsize = 2 if self.logits_bf16 else 4
         row_logits = logits + Int64(token) * (self.experts * dsize)
         if warp == PRODUCER_WARP:
