@@ -648,3 +648,47 @@ def test_ab_layer_table_lists_each_artifacts_rounds_per_case():
     assert lines[0] == "| case | a | b |" and lines[1] == "|---|---|---|"
     assert lines[2] == "| random 1 | 19.4 / 19.9 | 23.5 |"
     assert lines[3] == "| skewed 8 |  | 40.4 / 47.5 |"
+
+
+def test_ab_layer_rounds_rotate_the_artifact_order():
+    from benchmarks.ab_layer import round_order
+
+    arts = ["a", "b", "c"]
+    assert [round_order(arts, r) for r in range(4)] == [
+        ["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]
+    ]  # fmt: skip
+    # Over len(arts) rounds each artifact runs first once.
+    assert sorted(round_order(arts, r)[0] for r in range(3)) == arts
+
+
+def _ab_artifact(root, name, model=None):
+    from tests import runtime_fixtures as rf
+
+    rec = rf.record("mega")
+    return str(rf.write(root / name, [(rec, rf.cubin(name))], model=model))
+
+
+def test_ab_layer_refuses_bad_arguments_before_any_gpu_work(tmp_path, capsys):
+    from benchmarks.ab_layer import parse
+    from tests import runtime_fixtures as rf
+
+    a = _ab_artifact(tmp_path, "a")
+    b = _ab_artifact(tmp_path, "b")
+    other = _ab_artifact(tmp_path, "other", model=dict(rf.SMALL_MODEL, hidden=512))
+    args = parse([a, b, "--rounds", "2", "--tokens", "1,8", "--routing", "random,skewed"])
+    assert args.rounds == 2 and args.tokens == [1, 8] and args.routing == ["random", "skewed"]
+    bad = {
+        "--rounds 0": ([a, b, "--rounds", "0"], "must be at least 1"),
+        "--reps 0": ([a, b, "--reps", "0"], "must be at least 1"),
+        "tokens": ([a, b, "--tokens", "1,x"], "comma-separated list of integers"),
+        "tokens 0": ([a, b, "--tokens", "0,8"], "at least 1"),
+        "routing": ([a, b, "--routing", "random,hot"], "unknown routing hot"),
+        "twice": ([a, a], "named twice"),
+        "missing": ([a, str(tmp_path / "none")], "not a readable artifact"),
+        "shape": ([a, other], "another model shape"),
+    }
+    for case, (argv, message) in bad.items():
+        with pytest.raises(SystemExit) as e:
+            parse(argv)
+        assert e.value.code == 2, case
+        assert message in capsys.readouterr().err, case
