@@ -14,7 +14,7 @@ a CUDA graph of ``bench.POOL`` calls on fresh inputs (as ``moe-build bench``
 times them: PDL between calls, weights rotated), replays it, zeroes the
 stamps, replays it once more and reads what its last call left (every call
 overwrites them). Times are printed in microseconds from the first CTA's
-entry: per stamp point the minimum, median and maximum over the CTAs that
+end of its PDL wait (``timeline``; entries before it read negative): per stamp point the minimum, median and maximum over the CTAs that
 wrote it, then the counts (FC1 and FC2 stages, units). The sm_100a kernel
 records every point but the MMA consumer's four (``first_full``,
 ``fc1_done``, ``first_fc2``, ``consumer_end``).
@@ -35,9 +35,13 @@ from runtime import driver
 
 def timeline(stamps: torch.Tensor) -> dict:
     """{point: (min, median, max) over the CTAs that wrote it, or None}: times
-    in us from the earliest entry (signed 32-bit differences, so CTAs on
-    either side of a timer wrap order right), counts as they are. The stamps
-    are zeroed before the call, so a 0 is a point the CTA did not write."""
+    in us from the earliest end of a PDL wait (the first moment a CTA of the
+    call may act on the previous call's results; the earliest entry where no
+    CTA wrote it), as signed 32-bit differences, so CTAs on either side of a
+    timer wrap order right; counts as they are. Entries read negative: the
+    grouped kernel lets the next call launch early, so its CTAs may enter
+    while the previous call still runs. The stamps are zeroed before the
+    call, so a 0 is a point the CTA did not write."""
     words = stamps.view(-1, len(STAMP_POINTS)).to(torch.int64) & 0xFFFFFFFF
     times = [i for i, name in enumerate(STAMP_POINTS) if name not in STAMP_COUNTS]
     written = words[:, times][words[:, times] != 0]
@@ -48,8 +52,13 @@ def timeline(stamps: torch.Tensor) -> dict:
     def since(v: int) -> float:
         return (((v - ref + (1 << 31)) & 0xFFFFFFFF) - (1 << 31)) / 1e3
 
-    entries = [since(v) for v in words[:, STAMP_POINTS.index("entry")].tolist() if v]
-    origin = min(entries) if entries else min(since(int(v)) for v in written)
+    def earliest(point: str):
+        col = [since(v) for v in words[:, STAMP_POINTS.index(point)].tolist() if v]
+        return min(col) if col else None
+
+    origin = earliest("pdl_wait")
+    for fallback in (earliest("entry"), min(since(int(v)) for v in written)):
+        origin = fallback if origin is None else origin
     out = {}
     for i, name in enumerate(STAMP_POINTS):
         col = words[:, i].tolist()

@@ -556,7 +556,9 @@ def test_residency_reports_each_bound_variant():
 
 def test_grouped_timeline_reads_stamps_across_a_timer_wrap():
     """``benchmarks.grouped_timeline.timeline``: times in us from the earliest
-    entry, right when the 32-bit timer wraps between the CTAs' entries; counts
+    end of a PDL wait (entries before it negative; the earliest entry where
+    no CTA stamped the wait), right when the 32-bit timer wraps between the
+    CTAs' entries; counts
     as they are; a point no CTA wrote (0: the stamps are zeroed before the
     call) is None, one some CTAs did not write counts the others only."""
     import torch
@@ -575,13 +577,18 @@ def test_grouped_timeline_reads_stamps_across_a_timer_wrap():
     words[0, STAMP_POINTS.index("fc2_ready")] = 0  # a CTA without FC2 stages
     signed = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
     got = timeline(signed)
-    assert got["entry"] == pytest.approx((0.0, 0.1, 0.2))
-    at = {name: float(i) for i, name in enumerate(STAMP_POINTS)}  # us: 1000 ns a point
+    wait = STAMP_POINTS.index("pdl_wait")  # us after the entries (1000 ns a point)
+    assert got["entry"] == pytest.approx((-wait, -wait + 0.1, -wait + 0.2))
+    assert got["pdl_wait"] == pytest.approx((0.0, 0.1, 0.2))
+    at = {name: float(i - wait) for i, name in enumerate(STAMP_POINTS)}
     assert got["exit"] == pytest.approx((at["exit"], at["exit"] + 0.1, at["exit"] + 0.2))
     fc2 = at["fc2_ready"]
     assert got["fc2_ready"] == pytest.approx((fc2 + 0.1, fc2 + 0.15, fc2 + 0.2))
     assert got["units"] == (10, 11, 12)
     assert got["finished"] is None
+    words[:, wait] = 0  # no CTA stamped its wait: from the earliest entry
+    signed = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+    assert timeline(signed)["entry"] == pytest.approx((0.0, 0.1, 0.2))
     assert all(
         v is None for v in timeline(torch.zeros(2, len(STAMP_POINTS), dtype=torch.int32)).values()
     )
