@@ -87,6 +87,8 @@ def stamped_variant(artifact):
 def run_case(artifact, variant, copies, shape, g, device, routing: str, m: int, finalize: bool):
     """The stamps of the last call of a replayed graph of POOL calls."""
     x, logits, bias = routing_inputs(routing, m, shape, POOL, g, device)
+    # The logits in the stamped variants' dtype (a build may hold only one).
+    logits = logits.to(getattr(torch, variant.logits_dtype))
     stream = torch.cuda.Stream(device)
 
     def call(p):
