@@ -151,7 +151,10 @@ def main(argv=None) -> int:
                 artifact, variant, copies, shape, g, device, routing, m, args.finalize
             )
             results.append({"routing": routing, "tokens": m, "grid": grid, "points": line})
-            print(f"{routing} M={m} ({grid} CTAs): us from the first entry, min / median / max")
+            print(
+                f"{routing} M={m} ({grid} CTAs): us from the first PDL wait's end, "
+                "min / median / max"
+            )
             for name, v in line.items():
                 if v is None:
                     continue

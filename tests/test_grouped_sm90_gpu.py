@@ -161,16 +161,25 @@ def test_experts_with_more_than_a_unit_of_tokens(bound):
 
 def test_back_to_back_calls_across_buckets(bound):
     """No synchronization between calls of different buckets and finalize
-    settings: the parity counters they share stay right."""
+    settings: the parity counters they share stay right. Every input is
+    drawn first, so the calls follow each other on the stream with no other
+    kernel between them: each may launch while the one before still runs
+    (``griddepcontrol.launch_dependents`` at entry, PDL) and must still see
+    its counters, workspaces and outputs only once that one has completed.
+    So the layer here does not poison (a fill between two calls would be the
+    kernel before each launch); each call's inputs are fresh, so an output
+    left from an earlier call cannot match its reference."""
     import torch
 
-    artifact, layer, weights = bound
+    artifact, _, weights = bound
+    layer = artifact.bind(weights[0])
     gen = seeding.generator(device="cuda")
     variants = _variants(artifact)
+    order = [variants[(7 * i) % len(variants)] for i in range(3 * len(variants))]
+    drawn = [_inputs(artifact.shape, v.tokens, v.logits_dtype, "random", gen) for v in order]
+    torch.cuda.synchronize()
     calls = []
-    for i in range(3 * len(variants)):
-        v = variants[(7 * i) % len(variants)]
-        x, logits, bias = _inputs(artifact.shape, v.tokens, v.logits_dtype, "random", gen)
+    for v, (x, logits, bias) in zip(order, drawn, strict=True):
         got = layer.grouped(x, logits, bias, finalize=v.finalize)
         calls.append((v, x, logits, bias, got))
     torch.cuda.synchronize()
