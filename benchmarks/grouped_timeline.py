@@ -15,7 +15,8 @@ times them: PDL between calls, weights rotated), replays it, zeroes the
 stamps, replays it once more and reads what its last call left (every call
 overwrites them). Times are printed in microseconds from the first CTA's
 end of its PDL wait (``timeline``; entries before it read negative): per stamp point the minimum, median and maximum over the CTAs that
-wrote it, then the counts (FC1 and FC2 stages, units). The sm_100a kernel
+wrote it, then the counts (FC1 and FC2 stages, units); ``--json`` also
+keeps every CTA's values (``per_cta``). The sm_100a kernel
 records every point but the MMA consumer's four (``first_full``,
 ``fc1_done``, ``first_fc2``, ``consumer_end``).
 """
@@ -33,11 +34,11 @@ from kernels.grouped_plan import STAMP_COUNTS, STAMP_POINTS, partial_bytes
 from runtime import driver
 
 
-def timeline(stamps: torch.Tensor) -> dict:
-    """{point: (min, median, max) over the CTAs that wrote it, or None}: times
-    in us from the earliest end of a PDL wait (the first moment a CTA of the
-    call may act on the previous call's results; the earliest entry where no
-    CTA wrote it), as signed 32-bit differences, so CTAs on either side of a
+def per_cta(stamps: torch.Tensor) -> dict:
+    """{point: [value of each CTA, None where it wrote none]}: times in us
+    from the earliest end of a PDL wait (the first moment a CTA of the call
+    may act on the previous call's results; the earliest entry where no CTA
+    wrote it), as signed 32-bit differences, so CTAs on either side of a
     timer wrap order right; counts as they are. Entries read negative: the
     grouped kernel lets the next call launch early, so its CTAs may enter
     while the previous call still runs. The stamps are zeroed before the
@@ -46,7 +47,7 @@ def timeline(stamps: torch.Tensor) -> dict:
     times = [i for i, name in enumerate(STAMP_POINTS) if name not in STAMP_COUNTS]
     written = words[:, times][words[:, times] != 0]
     if written.numel() == 0:
-        return dict.fromkeys(STAMP_POINTS)
+        return {name: [None] * words.shape[0] for name in STAMP_POINTS}
     ref = int(written[0])
 
     def since(v: int) -> float:
@@ -63,9 +64,18 @@ def timeline(stamps: torch.Tensor) -> dict:
     for i, name in enumerate(STAMP_POINTS):
         col = words[:, i].tolist()
         if name in STAMP_COUNTS:
-            vals = col
+            out[name] = col
         else:
-            vals = [since(v) - origin for v in col if v]
+            out[name] = [since(v) - origin if v else None for v in col]
+    return out
+
+
+def timeline(stamps: torch.Tensor) -> dict:
+    """{point: (min, median, max) over the CTAs that wrote it, or None} of
+    ``per_cta``'s values."""
+    out = {}
+    for name, col in per_cta(stamps).items():
+        vals = [v for v in col if v is not None]
         out[name] = (min(vals), statistics.median(vals), max(vals)) if vals else None
     return out
 
@@ -85,7 +95,8 @@ def stamped_variant(artifact):
 
 
 def run_case(artifact, variant, copies, shape, g, device, routing: str, m: int, finalize: bool):
-    """The stamps of the last call of a replayed graph of POOL calls."""
+    """The raw stamps (int32, CTA-major) of the last call of a replayed graph
+    of POOL calls, and the grid."""
     x, logits, bias = routing_inputs(routing, m, shape, POOL, g, device)
     # The logits in the stamped variants' dtype (a build may hold only one).
     logits = logits.to(getattr(torch, variant.logits_dtype))
@@ -115,7 +126,7 @@ def run_case(artifact, variant, copies, shape, g, device, routing: str, m: int, 
     raw = torch.frombuffer(
         bytearray(driver.copy_to_host(device.index, base, nbytes)), dtype=torch.int32
     )
-    return timeline(raw), grid
+    return raw, grid
 
 
 def main(argv=None) -> int:
@@ -147,10 +158,12 @@ def main(argv=None) -> int:
     results = []
     for routing in args.routing or ["random"]:
         for m in tokens:
-            line, grid = run_case(
+            raw, grid = run_case(
                 artifact, variant, copies, shape, g, device, routing, m, args.finalize
             )
-            results.append({"routing": routing, "tokens": m, "grid": grid, "points": line})
+            line = timeline(raw)
+            results.append({"routing": routing, "tokens": m, "grid": grid, "points": line,
+                            "per_cta": per_cta(raw)})  # fmt: skip
             print(
                 f"{routing} M={m} ({grid} CTAs): us from the first PDL wait's end, "
                 "min / median / max"

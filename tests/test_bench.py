@@ -563,7 +563,7 @@ def test_grouped_timeline_reads_stamps_across_a_timer_wrap():
     call) is None, one some CTAs did not write counts the others only."""
     import torch
 
-    from benchmarks.grouped_timeline import timeline
+    from benchmarks.grouped_timeline import per_cta, timeline
     from kernels.grouped_plan import STAMP_COUNTS, STAMP_POINTS
 
     ctas, start = 3, (1 << 32) - 150  # ns; CTA 0 and 1 enter before the wrap, 2 after
@@ -586,6 +586,10 @@ def test_grouped_timeline_reads_stamps_across_a_timer_wrap():
     assert got["fc2_ready"] == pytest.approx((fc2 + 0.1, fc2 + 0.15, fc2 + 0.2))
     assert got["units"] == (10, 11, 12)
     assert got["finished"] is None
+    cols = per_cta(signed)  # every CTA's own values, None where it wrote none
+    assert cols["fc2_ready"][0] is None
+    assert cols["fc2_ready"][1:] == pytest.approx([fc2 + 0.1, fc2 + 0.2])
+    assert cols["units"] == [10, 11, 12] and cols["finished"] == [None] * ctas
     words[:, wait] = 0  # no CTA stamped its wait: from the earliest entry
     signed = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
     assert timeline(signed)["entry"] == pytest.approx((0.0, 0.1, 0.2))
