@@ -673,15 +673,16 @@ def test_ab_layer_rounds_rotate_the_artifact_order():
 
 
 def _ab_artifact(root, name, model=None):
-    from tests import runtime_fixtures as rf
+    import runtime_fixtures as rf
 
     rec = rf.record("mega")
     return str(rf.write(root / name, [(rec, rf.cubin(name))], model=model))
 
 
 def test_ab_layer_refuses_bad_arguments_before_any_gpu_work(tmp_path, capsys):
+    import runtime_fixtures as rf
+
     from benchmarks.ab_layer import parse
-    from tests import runtime_fixtures as rf
 
     a = _ab_artifact(tmp_path, "a")
     b = _ab_artifact(tmp_path, "b")
