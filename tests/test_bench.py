@@ -406,14 +406,17 @@ def _variant(kernel, tokens, finalize=False, shared=True):
                          ids=["shared-expert", "no-shared-expert"])  # fmt: skip
 def test_run_counts_the_shared_expert_only_where_the_model_has_one(shape, monkeypatch):
     """A whole run without a GPU (timers stubbed: each call runs once, 10 us
-    a call; the check on 2 calls; the torch baseline real): every case of
+    a call; the check on 12 calls; the torch baseline real): every case of
     every M, bias None throughout for a model without one, and weight_bytes
     of every row distinct experts x expert_bytes, plus one expert's bytes for
     the shared expert where the model has one (on every kind: its mega
     variants compute it), on none where it has none; the result's tables."""
     from benchmarks.baseline import TorchMoE
 
-    monkeypatch.setattr(bench_module, "CHECK_CALLS", 2)
+    # 12 calls, not fewer: the torch baseline's own BF16 numerics read ~1.6e-2
+    # pooled against float64 (as in the H200 runs), and pooled over 2 calls of
+    # 2 tokens their spread once reached past its 3e-2 bar (3.2e-2).
+    monkeypatch.setattr(bench_module, "CHECK_CALLS", 12)
 
     def timed(calls, *args, **kwargs):
         for call in calls if isinstance(calls, list) else [calls]:
