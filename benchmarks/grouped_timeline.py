@@ -14,9 +14,10 @@ a CUDA graph of ``bench.POOL`` calls on fresh inputs (as ``moe-build bench``
 times them: PDL between calls, weights rotated), replays it, zeroes the
 stamps, replays it once more and reads what its last call left (every call
 overwrites them). Times are printed in microseconds from the first CTA's
-end of its PDL wait (``timeline``; entries before it read negative): per stamp point the minimum, median and maximum over the CTAs that
-wrote it, then the counts (FC1 and FC2 stages, units); ``--json`` also
-keeps every CTA's values (``per_cta``). The sm_100a kernel
+end of its PDL wait (``per_cta``; entries before it read negative): per
+stamp point the minimum, median and maximum over the CTAs that wrote it,
+then the counts (FC1 and FC2 stages, units); ``--json`` also keeps every
+CTA's values (``per_cta``). The sm_100a kernel
 records every point but the MMA consumer's four (``first_full``,
 ``fc1_done``, ``first_fc2``, ``consumer_end``).
 """
@@ -58,8 +59,10 @@ def per_cta(stamps: torch.Tensor) -> dict:
         return min(col) if col else None
 
     origin = earliest("pdl_wait")
-    for fallback in (earliest("entry"), min(since(int(v)) for v in written)):
-        origin = fallback if origin is None else origin
+    if origin is None:
+        origin = earliest("entry")
+    if origin is None:
+        origin = min(since(int(v)) for v in written)
     out = {}
     for i, name in enumerate(STAMP_POINTS):
         col = words[:, i].tolist()
@@ -70,14 +73,19 @@ def per_cta(stamps: torch.Tensor) -> dict:
     return out
 
 
-def timeline(stamps: torch.Tensor) -> dict:
+def spread(cols: dict) -> dict:
     """{point: (min, median, max) over the CTAs that wrote it, or None} of
     ``per_cta``'s values."""
     out = {}
-    for name, col in per_cta(stamps).items():
+    for name, col in cols.items():
         vals = [v for v in col if v is not None]
         out[name] = (min(vals), statistics.median(vals), max(vals)) if vals else None
     return out
+
+
+def timeline(stamps: torch.Tensor) -> dict:
+    """``spread`` of the stamps' ``per_cta`` values."""
+    return spread(per_cta(stamps))
 
 
 def stamped_variant(artifact):
@@ -161,9 +169,10 @@ def main(argv=None) -> int:
             raw, grid = run_case(
                 artifact, variant, copies, shape, g, device, routing, m, args.finalize
             )
-            line = timeline(raw)
+            cols = per_cta(raw)
+            line = spread(cols)
             results.append({"routing": routing, "tokens": m, "grid": grid, "points": line,
-                            "per_cta": per_cta(raw)})  # fmt: skip
+                            "per_cta": cols})  # fmt: skip
             print(
                 f"{routing} M={m} ({grid} CTAs): us from the first PDL wait's end, "
                 "min / median / max"
