@@ -35,7 +35,8 @@ Method:
   ``cpu_probe_us``: a fixed pure-Python workload timed just before
   (``cpu_probe``), which tells the machine's CPU speed at that moment from
   the call's own cost.
-- Before timing, each case runs ``CHECK_CALLS`` calls on fresh inputs against
+- Before timing, each case runs ``check_calls(M)`` calls on fresh inputs
+  (``CHECK_CALLS``, more at small M to pool ``CHECK_ROWS`` tokens) against
   the float64 reference (outputs NaN-poisoned); the verdict is the error
   pooled over those calls' rows (``Check``), and any case above its
   ``TOLERANCE`` fails the run.
@@ -86,8 +87,19 @@ NEAR_TIE = 1e-5
 #: rows pool at 2e-3 to 7e-3. Pooled over 4 calls, one 2.3e-2 shared row (of
 #: 4) still failed a case (mega, M = 1: 1.23e-2); over 16, one row at 3e-2
 #: among rows at 4e-3 pools to 8e-3, and two full runs (72 cases each)
-#: pooled at most 6.9e-3.
+#: pooled at most 6.9e-3. At least this many calls (``check_calls``).
 CHECK_CALLS = 16
+#: Tokens a check pools at least, so a case of M < CHECK_ROWS / CHECK_CALLS
+#: tokens takes more calls (``check_calls``). The layer's output of a model
+#: without a shared expert is a weighted sum of its routes' rows, so its
+#: pooled error leans on the few heaviest routes of each token and spreads
+#: wider than the routes' own: Qwen3-235B TP4 on the H200, M = 3, its mega
+#: kernel's output exactly the weighted sum of its rows (to FP32 ulps), read
+#: 1.19e-2 pooled over 18 tokens once (worst call 2.2e-2) where its route rows
+#: pool at 3.4-3.8e-3; over 48 calls a case, M = 1..5, the layer pooled at
+#: 3.1e-3 to 5.3e-3 with single calls up to 1.6e-2 (docs/notes/models-h200.md,
+#: "The layer's error at M <= 4").
+CHECK_ROWS = 64
 #: Eager calls whose host time is measured per case, issued back to back in
 #: batches of HOST_BATCH with a (untimed) synchronize between batches, so the
 #: launch queue never fills and blocks a launch on the GPU. On the H200 the
@@ -111,7 +123,7 @@ WARMUP_S = 1.0
 @dataclass
 class Row:
     """One timed case of the result JSON (times in microseconds; errors against
-    the float64 reference, pooled over ``CHECK_CALLS`` calls, see ``Check``)."""
+    the float64 reference, pooled over ``check_calls(M)`` calls, see ``Check``)."""
 
     kernel: str
     arch: str
@@ -155,6 +167,13 @@ class Check:
     max_abs: float
     near_ties: int
     calls: int
+
+
+def check_calls(m: int, least: int | None = None) -> int:
+    """Calls on fresh inputs a check of M tokens a call pools: at least
+    ``least`` (default ``CHECK_CALLS``) and enough for ``CHECK_ROWS`` tokens."""
+    least = CHECK_CALLS if least is None else least
+    return max(least, math.ceil(CHECK_ROWS / m))
 
 
 def error_sums(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
@@ -494,17 +513,18 @@ class Bench:
     # Correctness of one case on fresh inputs ----------------------------------------
 
     def check(self, kind: str, m: int, routing: str, finalize: bool = False) -> Check:
-        """``CHECK_CALLS`` calls of case (``kind``, M, ``finalize``) on fresh
-        ``routing`` inputs against the float64 reference, errors pooled over
-        the calls (``Check``)."""
-        x, logits, bias = routing_inputs(routing, m, self.shape, CHECK_CALLS, self.g, self.device)
+        """``check_calls(M)`` calls of case (``kind``, M, ``finalize``) on
+        fresh ``routing`` inputs against the float64 reference, errors pooled
+        over the calls (``Check``)."""
+        n = check_calls(m)
+        x, logits, bias = routing_inputs(routing, m, self.shape, n, self.g, self.device)
         sums, ties = [], 0
-        for c in range(CHECK_CALLS):
+        for c in range(n):
             ties += int((tie_margins(logits[c], bias, self.shape) < NEAR_TIE).sum())
             parts = self._outputs(kind, finalize, x[c], logits[c], bias)
             sums.append(torch.stack([error_sums(got, want) for got, want in parts]))
         rel, worst, max_abs = pool_errors(torch.stack(sums))
-        return Check(rel, worst, max_abs, ties, CHECK_CALLS)
+        return Check(rel, worst, max_abs, ties, n)
 
     def _outputs(self, kind, finalize, x, logits, bias) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(got, float64 reference) of each output part of one call: routed
@@ -651,6 +671,7 @@ class Bench:
                 "tolerance": TOLERANCE,
                 "near_tie": NEAR_TIE,
                 "check_calls": CHECK_CALLS,
+                "check_rows": CHECK_ROWS,
                 "host_calls": HOST_CALLS,
                 "host_cpu": self.host_cpu,
                 "cpu_probe": {"loop": PROBE_LOOP, "runs": PROBE_RUNS},

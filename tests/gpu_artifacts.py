@@ -23,6 +23,24 @@ def pooled_rel_l2(pairs) -> float:
     return (err / ref) ** 0.5 if ref else 0.0
 
 
+#: A sum of top_k weighted rows and a shared row in FP32 (k + 1 roundings, in
+#: any order, fused or not) is off the exact sum by at most k + 1 units of
+#: 2^-24 of its summands' magnitudes; ``final_bound`` allows this many more.
+SUM_ULPS = 2
+
+
+def final_bound(terms, shared):
+    """float64 [M, H]: how far a kernel's BF16 ``final`` may be from the exact
+    sum of its ``terms`` (float64 [M, top_k, H], weight x BF16 route row) and
+    ``shared`` (float64 [M, H] or None): the FP32 sum in any order, fused or
+    not, is within (top_k + SUM_ULPS) x 2^-24 of the summands' magnitudes, and
+    rounding it to BF16 moves it by at most 2^-8 of itself."""
+    size = terms.abs().sum(1) + (0 if shared is None else shared.abs())
+    want = terms.sum(1) + (0 if shared is None else shared)
+    drift = (terms.shape[1] + SUM_ULPS) * 2.0**-24 * size
+    return 2.0**-8 * (want.abs() + drift) + drift
+
+
 def artifact_paths(env: str) -> list[Path]:
     """Paths in ``$env`` (joined by os.pathsep), else ``$MOE_BUILD_ARTIFACT``."""
     joined = os.environ.get(env) or os.environ.get("MOE_BUILD_ARTIFACT")

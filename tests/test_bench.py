@@ -16,6 +16,7 @@ from layer_fakes import ReferenceLayer
 from benchmarks import bench as bench_module
 from benchmarks.bench import (
     CHECK_CALLS,
+    CHECK_ROWS,
     LOGIT_SKEW,
     ROUTINGS,
     TOLERANCE,
@@ -23,6 +24,7 @@ from benchmarks.bench import (
     Check,
     Row,
     _speedups,
+    check_calls,
     crossover,
     distinct_experts,
     pool_errors,
@@ -266,7 +268,7 @@ def test_check_compares_every_kind_with_the_reference():
         c = bench.check(kind, 3, "random", fin)
         # BF16 rounding of the outputs only (and of the rows the final sums).
         assert c.rel_l2 < 1e-2 and c.max_abs < 0.1 and c.near_ties >= 0, (kind, fin, c)
-        assert c.calls == CHECK_CALLS and c.rel_l2 <= c.rel_l2_worst_call
+        assert c.calls == check_calls(3) and c.rel_l2 <= c.rel_l2_worst_call
     routed, shared = random_moe_weights(CHECK_SHAPE, g)[1:]
     bench.checker = ReferenceLayer(routed, bench.checkpoints[1], CHECK_SHAPE)
     assert bench.check("mega", 3, "random").rel_l2 > 0.5  # other weights: caught
@@ -282,6 +284,7 @@ def test_check_of_other_families(shape, routing, monkeypatch):
     rows (the grouped kernel's are unwritten, NaN here), so every kind
     passes. (4 calls a check, for time.)"""
     monkeypatch.setattr(bench_module, "CHECK_CALLS", 4)
+    monkeypatch.setattr(bench_module, "CHECK_ROWS", 1)
     g = seeding.generator()
     bench = _bench(shape, g)
     for kind, fin in (("mega", False), ("grouped", False), ("grouped", True), ("layer", False)):
@@ -298,10 +301,22 @@ def test_check_counts_near_ties_with_the_model_routing(monkeypatch):
     g = seeding.generator()
     shape = dataclasses.replace(GROUPED_ROUTING, experts=32)
     monkeypatch.setattr(bench_module, "CHECK_CALLS", 4)
+    monkeypatch.setattr(bench_module, "CHECK_ROWS", 1)
     monkeypatch.setattr(bench_module, "NEAR_TIE", float("inf"))
     assert _bench(shape, g).check("layer", 2, "random").near_ties == 2 * 4
     monkeypatch.setattr(bench_module, "NEAR_TIE", 0.0)
     assert _bench(shape, g).check("layer", 2, "random").near_ties == 0
+
+
+def test_check_pools_at_least_check_rows_tokens():
+    """CHECK_CALLS calls a case, more where M is small: the fewest calls
+    holding CHECK_ROWS tokens."""
+    for m in range(1, 257):
+        n = check_calls(m)
+        assert n >= CHECK_CALLS and n * m >= CHECK_ROWS, m
+        assert n == CHECK_CALLS or (n - 1) * m < CHECK_ROWS, m
+    assert check_calls(1) == CHECK_ROWS and check_calls(1, least=2) == CHECK_ROWS
+    assert check_calls(128, least=2) == 2
 
 
 def test_pool_errors_is_the_error_of_the_rows_concatenated():
@@ -317,18 +332,19 @@ def test_pool_errors_is_the_error_of_the_rows_concatenated():
 
 @pytest.mark.parametrize("kind", ["layer", "mega"])
 def test_check_pools_the_calls(kind, monkeypatch):
-    """The verdict is the relative L2 of all CHECK_CALLS calls' rows
+    """The verdict is the relative L2 of all check_calls(M) calls' rows
     concatenated (per part: routed and shared rows), not any one call's."""
     monkeypatch.setattr(bench_module, "NEAR_TIE", 2.0)  # every token counts as a near tie
     g = seeding.generator()
     shape = CHECK_SHAPE
     routed, shared = random_moe_weights(shape, g)[1:]
-    layer = _Skewed(routed, shared, shape, errors=[0.03, 0.01] + [0.0] * (CHECK_CALLS - 2))
+    n = check_calls(2)
+    layer = _Skewed(routed, shared, shape, errors=[0.03, 0.01] + [0.0] * (n - 2))
     bench = _bench(shape, g, layer)
     bench.checkpoints = (routed, shared)
     c = bench.check(kind, 2, "random")
-    assert len(layer.seen) == c.calls == CHECK_CALLS
-    assert c.near_ties == 2 * CHECK_CALLS  # summed over the calls
+    assert len(layer.seen) == c.calls == n
+    assert c.near_ties == 2 * n  # summed over the calls
     parts = {}  # part -> (got, want) per call
     for x, logits, bias, got in layer.seen:
         ref = moe_reference(x, logits, bias, routed, shared, shape, torch.float64)
@@ -350,8 +366,9 @@ def test_one_bad_call_does_not_fail_a_case_but_a_bad_case_does():
     the pooled error is within it; an error in every call fails."""
     g = seeding.generator()
     routed, shared = random_moe_weights(CHECK_SHAPE, g)[1:]
-    one_bad = [0.025] + [0.0] * (CHECK_CALLS - 1)  # one call's rows 2.5e-2 off
-    for errors, correct in ((one_bad, True), ([0.012] * CHECK_CALLS, False)):
+    n = check_calls(2)
+    one_bad = [0.025] + [0.0] * (n - 1)  # one call's rows 2.5e-2 off
+    for errors, correct in ((one_bad, True), ([0.012] * n, False)):
         bench = _bench(CHECK_SHAPE, g, _Skewed(routed, shared, CHECK_SHAPE, errors))
         bench.checkpoints = (routed, shared)
         c = bench.check("layer", 2, "random")
@@ -386,6 +403,7 @@ def test_result_records_the_check_calls_model_and_routing_rule(shape, monkeypatc
     rows = [_row("layer", 1, 15.0, host_us=20.0), _row("baseline", 1, 900.0)]
     result = bench.result(rows)
     assert result["method"]["check_calls"] == CHECK_CALLS
+    assert result["method"]["check_rows"] == CHECK_ROWS
     assert result["rows"][0]["host_us"] == 20.0 and result["rows"][1]["host_us"] is None
     assert "rel_l2_worst_call" in result["rows"][0]
     assert result["artifact"]["model"] == shape.to_dict()
@@ -417,6 +435,7 @@ def test_run_counts_the_shared_expert_only_where_the_model_has_one(shape, monkey
     # pooled against float64 (as in the H200 runs), and pooled over 2 calls of
     # 2 tokens their spread once reached past its 3e-2 bar (3.2e-2).
     monkeypatch.setattr(bench_module, "CHECK_CALLS", 12)
+    monkeypatch.setattr(bench_module, "CHECK_ROWS", 1)
 
     def timed(calls, *args, **kwargs):
         for call in calls if isinstance(calls, list) else [calls]:

@@ -190,6 +190,43 @@ def test_finalize_sums_bf16_rounded_rows_in_fp32(with_shared):
     assert torch.equal(wide, _finalize_by_hand(out, weights, shared, k, bf16=False, f32=False))
 
 
+@pytest.mark.parametrize("with_shared", [True, False])
+def test_final_bound_holds_every_fp32_order_and_catches_a_dropped_route(with_shared):
+    """tests/gpu_artifacts.py ``final_bound`` (what the GPU tests hold a
+    kernel's ``final`` to against its own rows): an FP32 sum of BF16 rows
+    in top-k order, fused (each step one rounding of the exact product-sum)
+    or not, then rounded to BF16, is within it everywhere, cancellation
+    included (routes of opposite sign, softmax-peaked weights); the same sum
+    without its last route, or with two weights swapped, is not."""
+    from gpu_artifacts import final_bound
+
+    g = seeding.generator()
+    m, k, h = 64, 8, 256
+    rows = (torch.randn(m, k, h, generator=g) * torch.rand(m, k, 1, generator=g) * 4).bfloat16()
+    weights = torch.softmax(torch.randn(m, k, generator=g) * 2, dim=1)
+    shared = torch.randn(m, h, generator=g).bfloat16() if with_shared else None
+    extra = None if shared is None else shared.double()
+    terms = weights.double()[:, :, None] * rows.double()
+    want = terms.sum(1) + (0 if extra is None else extra)
+    bound = final_bound(terms, extra)
+
+    def summed(w, routes, fused):
+        total = torch.zeros(m, h)
+        for j in range(routes):
+            step = total.double() + w[:, j : j + 1].double() * rows[:, j].double()
+            total = step.float() if fused else total + w[:, j : j + 1] * rows[:, j].float()
+        if shared is not None:
+            total = total + shared.float()
+        return total.bfloat16().double()
+
+    for fused in (True, False):
+        off = (summed(weights, k, fused) - want).abs() / bound
+        assert off.max() <= 1, (fused, off.max().item(), seeding.rerun_hint())
+    assert ((summed(weights, k - 1, True) - want).abs() > bound).float().mean() > 0.5
+    swapped = weights[:, [1, 0, *range(2, k)]]
+    assert ((summed(swapped, k, True) - want).abs() > bound).float().mean() > 0.5
+
+
 def _inputs(shape, m, g):
     x = torch.randn(m, shape.hidden, generator=g).bfloat16()
     logits = torch.randn(m, shape.experts, generator=g)

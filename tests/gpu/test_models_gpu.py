@@ -42,14 +42,20 @@ relative L2, max-abs error, near ties, and each kernel entry's figures.
 
 from __future__ import annotations
 
-import math
 import os
 
 import pytest
 import seeding
-from gpu_artifacts import CALL_TOL, artifact_name, model_artifacts
+from gpu_artifacts import CALL_TOL, artifact_name, final_bound, model_artifacts
 
-from benchmarks.bench import TOLERANCE, error_sums, pool_errors, routing_inputs, tie_margins
+from benchmarks.bench import (
+    TOLERANCE,
+    check_calls,
+    error_sums,
+    pool_errors,
+    routing_inputs,
+    tie_margins,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -68,15 +74,15 @@ TOL = TOLERANCE["layer"]
 #: Tokens whose best top_k + 1 keys (or kept and dropped group scores) are
 #: closer than this may be routed differently (the kernels' GPU tests' TIE).
 TIE = 1e-6
-#: Rows a case pools at least: ``calls(M)`` calls of M tokens.
-ROWS = 16
 #: Routing weights: relative error against the reference's (absolute floor).
 WEIGHT_RTOL, WEIGHT_ATOL = 1e-5, 1e-7
 
 
 def calls(m: int) -> int:
-    """Calls of one case: enough for ``ROWS`` rows of the layer, at least 2."""
-    return max(2, math.ceil(ROWS / m))
+    """Calls of one case: enough for ``benchmarks.bench.CHECK_ROWS`` tokens
+    of the layer (the bench's rule, whose comment gives the measurements), at
+    least 2."""
+    return check_calls(m, least=2)
 
 
 @pytest.fixture(scope="module", params=model_artifacts() or [None], ids=artifact_name)
@@ -248,4 +254,66 @@ def test_model_matches_reference(bound, dtype, routing):
             line.append(", ".join(text) + f", {moved[(kernel, bucket)]} token(s) routed otherwise")
         print(" | ".join(line))
         failures += [f"{where}: {f}" for f in case]
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_final_is_the_weighted_sum_of_its_own_rows(bound, dtype):
+    """Every variant that writes ``final`` (each mega variant, each grouped
+    finalize variant), one call at its bucket on random routing, every output
+    kept and NaN-poisoned before the launch: ``final`` is the weighted sum of
+    the same launch's BF16 route rows with its own weights, plus its shared
+    row (``runtime.reference.finalize``), within ``final_bound``; and a
+    grouped finalize variant's rows, ids and weights are bit for bit those of
+    the plain variant of its bucket on the same inputs (the same code; the
+    kernels add no floats atomically). Much tighter than the layer's 1e-2
+    against the reference, whose FP8 rounding flips spread wide at small M
+    (``benchmarks.bench.CHECK_ROWS``): a route dropped, a weight or a row
+    misplaced, or a row read before it is written fails here."""
+    import torch
+
+    name, artifact, layer, weights = bound
+    if dtype not in layer.dtypes:
+        pytest.skip(f"{name} has no {dtype}-logits variant")
+    shape = artifact.shape
+    mine = [v for v in artifact.variants if v.logits_dtype == dtype]
+    writers = sorted((v for v in mine if v.name in layer.final_writers),
+                     key=lambda v: (v.kernel, v.tokens))  # fmt: skip
+    plain = {v.tokens: v for v in mine if v.kernel == "grouped" and not v.finalize}
+    gen = seeding.generator(device=layer.device)
+    failures = []
+    for v in writers:
+        m = v.tokens
+        xs, logits_pool, bias = routing_inputs("random", m, shape, 1, gen, layer.device)
+        x, logits = xs[0], logits_pool[0].to(getattr(torch, dtype))
+        block, layout = layer._run(v, x, logits, bias, m)
+        out, ids, w = layer._crop(layout, block, m)
+        final = layout.view(block, "final", m)
+        shared = layout.view(block, "shared_out", m) if shape.shared_experts else None
+        torch.cuda.synchronize()
+        for part, t in (("final", final), ("out", out), ("weights", w), ("shared", shared)):
+            assert t is None or not t.isnan().any(), f"{v.name}: unwritten {part}"
+        terms = w.double()[:, :, None] * out.double().view(m, shape.top_k, -1)
+        extra = None if shared is None else shared.double()
+        want = terms.sum(1) + (0 if extra is None else extra)
+        off = (final.double() - want).abs() / final_bound(terms, extra)
+        line = f"{name} {v.name}: final off its rows' sum by at most {off.max().item():.3f} of the bound"
+        if bool((off > 1).any()):
+            failures.append(f"{v.name}: {int((off > 1).sum())} of {off.numel()} values of final "
+                            f"past the bound (worst {off.max().item():.2f}x)")  # fmt: skip
+        twin = plain.get(m) if v.kernel == "grouped" else None
+        if twin is not None:
+            block2, layout2 = layer._run(twin, x, logits, bias, m)
+            out2, ids2, w2 = layer._crop(layout2, block2, m)
+            same = [torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in
+                    ((out, out2),)] + [torch.equal(ids, ids2), torch.equal(w, w2)]  # fmt: skip
+            if shared is not None:
+                got = layout2.view(block2, "shared_out", m).view(torch.int16)
+                same.append(torch.equal(shared.view(torch.int16), got))
+            line += f"; rows, ids, weights as {twin.name}'s: {all(same)}"
+            if not all(same):
+                failures.append(f"{v.name}: rows, ids, weights, shared rows bit-equal to "
+                                f"{twin.name}'s: {same}")  # fmt: skip
+        print(line)
+    assert writers, f"{name}: no {dtype} variant writes final"
     assert not failures, "\n".join(failures)
