@@ -96,7 +96,7 @@ CHECK_CALLS = 16
 #: wider than the routes' own: Qwen3-235B TP4 on the H200, M = 3, its mega
 #: kernel's output exactly the weighted sum of its rows (to FP32 ulps), read
 #: 1.19e-2 pooled over 18 tokens once (worst call 2.2e-2) where its route rows
-#: pool at 3.4-3.8e-3; over 48 calls a case, M = 1..5, the layer pooled at
+#: pool at 3.5-3.9e-3; over 48 calls a case, M = 1..5, the layer pooled at
 #: 3.1e-3 to 5.3e-3 with single calls up to 1.6e-2 (docs/notes/models-h200.md,
 #: "The layer's error at M <= 4").
 CHECK_ROWS = 64
@@ -170,7 +170,7 @@ class Check:
 
 
 def check_calls(m: int, least: int | None = None) -> int:
-    """Calls on fresh inputs a check of M tokens a call pools: at least
+    """Calls on fresh inputs a check of M >= 1 tokens a call pools: at least
     ``least`` (default ``CHECK_CALLS``) and enough for ``CHECK_ROWS`` tokens."""
     least = CHECK_CALLS if least is None else least
     return max(least, math.ceil(CHECK_ROWS / m))

@@ -23,9 +23,10 @@ def pooled_rel_l2(pairs) -> float:
     return (err / ref) ** 0.5 if ref else 0.0
 
 
-#: A sum of top_k weighted rows and a shared row in FP32 (k + 1 roundings, in
-#: any order, fused or not) is off the exact sum by at most k + 1 units of
-#: 2^-24 of its summands' magnitudes; ``final_bound`` allows this many more.
+#: A sum of top_k weighted rows and a shared row in FP32 (at most k + 1
+#: roundings a summand, in any order, fused or not) is off the exact sum by
+#: about (k + 1) x 2^-24 of its summands' magnitudes; ``final_bound`` allows
+#: (top_k + SUM_ULPS) x 2^-24.
 SUM_ULPS = 2
 
 

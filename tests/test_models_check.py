@@ -17,9 +17,11 @@ import torch
 from gpu_artifacts import artifact_name, model_artifacts
 from layer_fakes import ReferenceLayer
 
+from benchmarks import bench
 from runtime.layout import random_moe_weights
 from runtime.model import MoEShape
 from runtime.plan import default_table
+from runtime.reference import finalize
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
 import test_models_gpu as check  # noqa: E402
@@ -35,7 +37,8 @@ BUCKETS = {"mega": (1, 2, 3, 4), "grouped": (8, 16, 32, 48, 64)}
 
 
 def _artifact(shape, grouped_finalize=(False, True)):
-    variants = [SimpleNamespace(kernel=k, tokens=t, logits_dtype=d, finalize=f)
+    variants = [SimpleNamespace(kernel=k, tokens=t, logits_dtype=d, finalize=f,
+                                name=f"{k}-m{t}-{d}" + ("-final" if f else ""))
                 for k, ts in BUCKETS.items() for t in ts for d in check.DTYPES
                 for f in (grouped_finalize if k == "grouped" else (False,))]  # fmt: skip
     return SimpleNamespace(shape=shape, variants=variants, manifest={"config": {"name": "small"}})
@@ -61,7 +64,7 @@ def _no_device(monkeypatch):
     # Fewer M values and calls than on the GPU, for time: each bucket kind,
     # a padded mega-range M and one between grouped buckets.
     monkeypatch.setattr(check, "TOKENS", (1, 3, 8, 13))
-    monkeypatch.setattr(check, "ROWS", 4)
+    monkeypatch.setattr(bench, "CHECK_ROWS", 4)
 
 
 @pytest.mark.parametrize("family", SHAPES)
@@ -156,3 +159,98 @@ def test_model_artifacts_takes_artifacts_and_directories_of_them(tmp_path, monke
     monkeypatch.delenv("MOE_MODEL_ARTIFACTS")
     monkeypatch.setenv("MOE_BUILD_ARTIFACT", str(tmp_path / "parent"))
     assert len(model_artifacts()) == 2 and artifact_name(None) == "none"
+
+
+class _Launches(ReferenceLayer):
+    """The layer's launch of one variant (``_run``, ``_crop``, the block's
+    views, ``final_writers``: every mega variant and each grouped finalize
+    one) over the float32 reference: BF16 rows, and ``final`` the FP32 sum
+    of those rows rounded once (``runtime.reference.finalize``), as the
+    kernels write it."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.final_writers = {f"mega-m{t}-{d}" for t in BUCKETS["mega"] for d in self.dtypes}
+        self.final_writers |= {f"grouped-m{t}-{d}-final" for t in BUCKETS["grouped"]
+                               for d in self.dtypes}  # fmt: skip
+
+    def _outputs(self, variant, r) -> dict:
+        out = r.out.bfloat16()
+        shared = None if r.shared is None else r.shared.bfloat16()
+        k = self.args[2].top_k
+        final = finalize(out, r.weights, shared, k).bfloat16()
+        return {"out": out, "ids": r.ids, "weights": r.weights, "shared_out": shared,
+                "final": final}  # fmt: skip
+
+    def _run(self, variant, x, logits, bias, m, final_only=False):
+        assert x.shape[0] == m == variant.tokens and not final_only
+        return self._outputs(variant, self._ref(x, logits, bias)), self
+
+    @staticmethod
+    def view(block, name, rows):
+        return block[name][:rows]
+
+    def _crop(self, layout, block, m):
+        return block["out"], block["ids"], block["weights"]
+
+
+class _DroppedRoute(_Launches):
+    """``final`` without each token's last route."""
+
+    def _outputs(self, variant, r):
+        got = super()._outputs(variant, r)
+        k = self.args[2].top_k
+        kept = r.weights.clone()
+        kept[:, -1] = 0
+        got["final"] = finalize(got["out"], kept, got["shared_out"], k).bfloat16()
+        return got
+
+
+class _OtherRows(_Launches):
+    """A grouped finalize variant whose rows (and its ``final`` with them)
+    are not its plain variant's: one BF16 ulp up where the row is positive."""
+
+    def _outputs(self, variant, r):
+        got = super()._outputs(variant, r)
+        if variant.name.endswith("-final"):
+            bits = got["out"].view(torch.int16)
+            got["out"] = torch.where(bits > 0, bits + 1, bits).view(torch.bfloat16)
+            k = self.args[2].top_k
+            got["final"] = finalize(got["out"], r.weights, got["shared_out"], k).bfloat16()
+        return got
+
+
+class _Unsummed(_Launches):
+    """``final`` never written on one value (NaN-poisoned)."""
+
+    def _outputs(self, variant, r):
+        got = super()._outputs(variant, r)
+        got["final"][0, 0] = float("nan")
+        return got
+
+
+@pytest.mark.parametrize("family", SHAPES)
+def test_the_final_sum_check_passes_the_kernels_sum(family, capsys):
+    """Every final writer of the artifact is checked once, its grouped ones
+    against their plain variant's rows as well."""
+    check.test_final_is_the_weighted_sum_of_its_own_rows(_bound(SHAPES[family], _Launches),
+                                                         "float32")  # fmt: skip
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("small ")]
+    assert [line.split()[1] for line in lines] == (
+        [f"grouped-m{t}-float32-final:" for t in BUCKETS["grouped"]]
+        + [f"mega-m{t}-float32:" for t in BUCKETS["mega"]]
+    )
+    assert all("at most" in line for line in lines)
+    assert sum("as grouped-m" in line and line.endswith(": True") for line in lines) == 5
+
+
+@pytest.mark.parametrize(
+    ("layer_class", "message"),
+    [(_DroppedRoute, "values of final past the bound"),
+     (_OtherRows, "bit-equal to grouped-m8-float32's"),
+     (_Unsummed, "unwritten final")],
+)  # fmt: skip
+def test_the_final_sum_check_fails_a_wrong_sum_or_rows(layer_class, message):
+    bound = _bound(SHAPES["sigmoid-bias"], layer_class)
+    with pytest.raises(AssertionError, match=message):
+        check.test_final_is_the_weighted_sum_of_its_own_rows(bound, "float32")

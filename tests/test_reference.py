@@ -194,8 +194,8 @@ def test_finalize_sums_bf16_rounded_rows_in_fp32(with_shared):
 def test_final_bound_holds_every_fp32_order_and_catches_a_dropped_route(with_shared):
     """tests/gpu_artifacts.py ``final_bound`` (what the GPU tests hold a
     kernel's ``final`` to against its own rows): an FP32 sum of BF16 rows
-    in top-k order, fused (each step one rounding of the exact product-sum)
-    or not, then rounded to BF16, is within it everywhere, cancellation
+    in top-k order, fused (each step's product-sum in float64, then rounded
+    to FP32: an FMA up to double rounding) or not, then rounded to BF16, is within it everywhere, cancellation
     included (routes of opposite sign, softmax-peaked weights); the same sum
     without its last route, or with two weights swapped, is not."""
     from gpu_artifacts import final_bound
