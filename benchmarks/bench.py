@@ -148,6 +148,7 @@ class Row:
     host_us: float | None = None
     host_pinned_us: float | None = None
     cpu_probe_us: float | None = None
+    check_calls: int | None = None  # the calls ``rel_l2`` pools (``check_calls(M)``)
 
 
 @dataclass(frozen=True)
@@ -507,7 +508,7 @@ class Bench:
             correct=check.rel_l2 <= TOLERANCE[kernel], rel_l2=check.rel_l2,
             max_abs=check.max_abs, near_ties=check.near_ties,
             rel_l2_worst_call=check.rel_l2_worst_call, host_us=host_us,
-            host_pinned_us=pinned_us, cpu_probe_us=probe, **extra,
+            host_pinned_us=pinned_us, cpu_probe_us=probe, check_calls=check.calls, **extra,
         )  # fmt: skip
 
     # Correctness of one case on fresh inputs ----------------------------------------

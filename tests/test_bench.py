@@ -376,6 +376,7 @@ def test_one_bad_call_does_not_fail_a_case_but_a_bad_case_does():
         row = bench._row("layer", 2, "random", 4.0, True, [10.0], c)
         assert row.correct is correct and row.rel_l2 == c.rel_l2, (errors, c)
         assert row.rel_l2_worst_call == c.rel_l2_worst_call and row.max_abs == c.max_abs
+        assert row.check_calls == c.calls == n
 
 
 def test_row_takes_the_pooled_verdict_and_the_median_host_time():
