@@ -3,8 +3,8 @@
 Every (token, expert) route of M tokens (M = 1..4), and each token's shared
 expert, runs as one cluster of C = 2I/128 x ``split`` CTAs in one launch:
 CTA ``rank`` owns GEMM1 row tile ``rank // split`` over K part ``rank %
-split`` (``mega_plan.mega_split``: 1, or more where the call's grid would
-fill less than 0.9 of the SMs, 2 for the TP8 shards at M = 1..3;
+split`` (``mega_plan.mega_split``: 1, or more where the split grid is still
+one wave, 2 for the TP8 shards at M = 1..4;
 ``kernels/mega_plan.py``: work split, ring depth, cluster order, shared
 memory; ``kernels/mega_common.py``: routing, quantization, the hidden block).
 A cluster writes one unweighted BF16 row (``out[token * top_k + k]`` or

@@ -25,10 +25,10 @@ A CTA streams ``loads`` = blocks1 + tiles2 * I/128 weight stages (one 128 x
 
 Per architecture (``ARCH``), each row tile's K runs in ``split`` parts
 (``mega_split``). sm_90a (warpgroup MMA, B tiles of 8 token rows: ``wgmma
-m64n8k32``) runs one CTA per row tile over the whole K, except where a
-call's CTAs would fill less than 0.9 of the SMs (``split_fill``): then K
+m64n8k32``) runs one CTA per row tile over the whole K, except where the
+split grid is still one wave (``split_one_wave``, ``one_wave``): then K
 doubles into parts while the cluster stays within 8 CTAs and each part keeps
-at least 8 K blocks (2 parts for the TP8 shards' 4-CTA clusters at M = 1..3;
+at least 8 K blocks (2 parts for the TP8 shards' 4-CTA clusters at M = 1..4;
 up to 4 at inter 128); sm_100a splits into the most parts, up to
 8, that keep the cluster within 16 CTAs and divide H/128, each part's K
 blocks the columns of UMMA N = 16 accumulators in TMEM (GLM-5: 8 row tiles x
@@ -95,9 +95,10 @@ class MegaArch:
     max_cluster: int = 16
     #: Most CTAs of a cluster that splits K (``mega_split``).
     split_cluster: int = 16
-    #: K splits only while a call's CTAs would fill less than this fraction
-    #: of the target's SMs (``mega_split``); 0: always the most parts.
-    split_fill: float = 0.0
+    #: K splits only while every cluster of the split grid stays resident at
+    #: once at the arch's most CTAs per SM (``mega_split``, ``one_wave``);
+    #: False: always the most parts.
+    split_one_wave: bool = False
     #: Fewest GEMM1 K blocks of a K part (sm_90a: the rotating B tiles).
     min_blocks: int = 1
 
@@ -106,7 +107,7 @@ ARCH = {
     "sm_90a": MegaArch(
         arch="sm_90a", max_split=8, b_rows=8,
         ring={1: 10, 2: 6, 3: 3},
-        split_cluster=8, split_fill=0.9, min_blocks=8,
+        split_cluster=8, split_one_wave=True, min_blocks=8,
         order={1: "shared_last_reversed", 2: "shared_first", 3: "shared_first",
                4: "shared_last_reversed"},
         k_blocks=(8, 64), uneven_gemm2=True,
@@ -150,30 +151,40 @@ def occupancy(arch: str, clusters: int, cluster: int, sms: int) -> int:
     return levels[-1]
 
 
+def one_wave(arch: str, clusters: int, cluster: int, sms: int) -> bool:
+    """Whether ``clusters`` clusters of ``cluster`` CTAs are all resident at
+    once on a target of ``sms`` SMs at the arch's most CTAs per SM (its
+    deepest ``ring`` level: ``resident_clusters``); False for ``sms`` 0."""
+    return sms > 0 and clusters <= resident_clusters(arch, sms, cluster, max(ARCH[arch].ring))
+
+
 def mega_split(arch: str, hidden: int, inter: int, groups: int = 0, sms: int = 0) -> int:
     """K parts of a GEMM1 row tile of a variant of ``groups`` clusters for a
     target of ``sms`` SMs: doubled (a power of two up to the arch's
     ``max_split``) while the cluster (row tiles x parts) stays within
     ``split_cluster`` CTAs, the parts divide the K blocks and keep at least
-    ``min_blocks`` each, and, where the arch sets ``split_fill``, the call's
-    CTAs (``groups`` x cluster) fill less than that fraction of the SMs (more
-    CTAs a route stream its weights in parallel; a small grid leaves SMs
-    idle, a split costs a DSMEM reduction). With ``sms`` 0 (a shape check)
-    such an arch does not split.
+    ``min_blocks`` each, and, where the arch sets ``split_one_wave``, every
+    cluster of the split grid stays resident at once (``one_wave``: more CTAs
+    a route stream its weights in parallel and spread the call over more
+    SMs, at the cost of a DSMEM reduction; a second wave would cost a whole
+    call's time again). With ``sms`` 0 (a shape check) such an arch does not
+    split.
 
     sm_90a: a TP8 shard (inter 256: 4-CTA clusters) runs 9 clusters at M = 1,
     36 CTAs, 43% of the copy bandwidth on the H200; 2 parts make 72 CTAs, as
-    GLM-5's M = 1 runs unsplit. At M = 2 and 3 (72 and 108 CTAs, below 0.9 of
-    the H200's SMs) the split (twice the CTAs, 2 per SM) gained up to 6 us on
-    the 7168-hidden shards (``docs/notes/mega-sm90.md``). Split clusters
-    stay within 8 CTAs there: the H200 holds fewer 12- and 16-CTA clusters
-    at once than its SM count allows (7 of each at one CTA per SM)."""
+    GLM-5's M = 1 runs unsplit. At M = 2 and 3 (72 and 108 CTAs) the split
+    (twice the CTAs, 2 per SM) gained up to 6 us on the 7168-hidden shards,
+    and at M = 4 (144 CTAs at 2 per SM, 6 stages, 168 registers with a spill,
+    against 288 at 3 per SM, 3 stages, 114 registers) 3-5 us
+    (``docs/notes/mega-sm90.md``). Split clusters stay within 8 CTAs there:
+    the H200 holds fewer 12- and 16-CTA clusters at once than its SM count
+    allows (7 of each at one CTA per SM)."""
     cfg = ARCH[arch]
     tiles1, nk1 = 2 * inter // TILE, hidden // TILE
     split = 1
     while (split * 2 <= cfg.max_split and tiles1 * split * 2 <= cfg.split_cluster
            and nk1 % (split * 2) == 0 and nk1 // (split * 2) >= cfg.min_blocks):  # fmt: skip
-        if cfg.split_fill and groups * tiles1 * split >= cfg.split_fill * sms:
+        if cfg.split_one_wave and not one_wave(arch, groups, tiles1 * split * 2, sms):
             break
         split *= 2
     return split

@@ -370,9 +370,9 @@ MUTATIONS = (
     ),
     Mutation(
         "mega-split-ignores-the-grid", "kernels/mega_plan.py",
-        "        if cfg.split_fill and groups * tiles1 * split >= cfg.split_fill * sms:\n",
-        "        if cfg.split_fill and sms <= 0:\n",
-        ("tests/test_mega_plan.py::test_sm90_splits_k_only_for_small_grids",),
+        "        if cfg.split_one_wave and not one_wave(arch, groups, tiles1 * split * 2, sms):\n",
+        "        if cfg.split_one_wave and sms <= 0:\n",
+        ("tests/test_mega_plan.py::test_sm90_splits_k_while_the_split_grid_is_one_wave",),
     ),
     Mutation(
         "mega-tmem-accumulators-round-down", "kernels/mega_plan.py",

@@ -164,26 +164,29 @@ def test_glm5_closed_forms():
     assert plan("sm_90a", tokens=4, shared=0).groups == 32
 
 
-def test_sm90_splits_k_only_for_small_grids():
-    """sm_90a: 2 K parts where one CTA per row tile would run fewer CTAs than
-    0.9 of the target's SMs and the split cluster stays within 8 CTAs; never
-    without an SM count (a shape check) and never for GLM-5."""
+def test_sm90_splits_k_while_the_split_grid_is_one_wave():
+    """sm_90a: 2 K parts where every cluster of the split grid is still
+    resident at once at 3 CTAs per SM (``one_wave``) and the split cluster
+    stays within 8 CTAs; never without an SM count (a shape check) and never
+    for GLM-5."""
     tp8 = {"hidden": 7168, "inter": 256, "experts": 256}
     one = plan(tokens=1, sms=132, **tp8)
-    # 9 clusters (8 routes + the shared expert) of 4 CTAs: 36 < 118.8.
+    # 9 clusters (8 routes + the shared expert) of 4 CTAs -> 9 of 8.
     assert (one.split, one.cluster, one.grid, one.blocks1) == (2, 8, 72, 28)
     assert one.regions.sizes["partial"] == TILE * 4 and one.bars == 2 * one.stages + 3
     assert plan(tokens=1, sms=0, **tp8).split == 1
-    # M = 2, 3: 72 and 108 CTAs unsplit, below 118.8; M = 4: 144 already.
-    two, three = plan(tokens=2, sms=132, **tp8), plan(tokens=3, sms=132, **tp8)
-    assert (two.split, two.grid, two.ctas_per_sm) == (2, 144, 2)
-    assert (three.split, three.grid, three.ctas_per_sm) == (2, 216, 2)
-    assert plan(tokens=4, sms=132, **tp8).split == 1
-    assert plan(tokens=3, sms=100, **tp8).split == 1  # 108 >= 90
+    # M = 2..4: 18, 27, 36 eight-CTA clusters, the H200 holding 45 at 3 a SM.
+    got = [plan(tokens=m, sms=132, **tp8) for m in (2, 3, 4)]
+    assert [(p.split, p.grid, p.ctas_per_sm, p.stages) for p in got] == [
+        (2, 144, 2, 6), (2, 216, 2, 6), (2, 288, 3, 3)]  # fmt: skip
+    assert mp.resident_clusters("sm_90a", 132, 8, 3) == 45
+    # 90 SMs hold 3 x 11 = 33 eight-CTA clusters (the bound): M = 4's 36
+    # would be a second wave, so it stays at 36 four-CTA clusters.
+    assert (plan(tokens=4, sms=90, **tp8).split, plan(tokens=4, sms=100, **tp8).split) == (1, 2)
     assert plan(tokens=1, sms=300, **tp8).split == 2  # 16 CTAs a cluster is too many
     for tokens in range(1, mp.MEGA_TOKENS + 1):
         for shared in (0, 1):
-            assert plan(tokens=tokens, shared=shared, sms=132).split == 1  # GLM-5: 64+ CTAs
+            assert plan(tokens=tokens, shared=shared, sms=132).split == 1  # GLM-5: 16 CTAs
     # 6-CTA clusters do not split (12 CTAs: more than 8), 12-CTA ones neither.
     assert plan(tokens=1, sms=132, hidden=5120, inter=384, experts=160).split == 1
     # Each part keeps at least the 8 rotating B tiles' K blocks.
