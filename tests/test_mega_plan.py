@@ -86,7 +86,7 @@ def test_a_cluster_streams_each_weight_box_of_its_expert_once(arch, shape, sms):
     """Every weight box of the expert is streamed by exactly one CTA that
     stores its result; an uneven GEMM2 split adds only repeats of the last
     tile (never stored). With the SM count of an H200 the sm_90a kernel
-    splits the K of small grids (``mega_split``)."""
+    splits the K while the split grid is one wave (``mega_split``)."""
     p = mp.plan_for(arch, **shape, tokens=1, shared_experts=1, sms=sms)
     h, i, expert = shape["hidden"], shape["inter"], 5
     w13, w2 = [], []

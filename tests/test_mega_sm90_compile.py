@@ -157,8 +157,11 @@ def test_other_model_shapes_build(tmp_path):
         print(f"{s.hidden}x{s.inter} m{s.tokens}: REG {res['REG']}, STACK {res['STACK']}, "
               f"cluster {p.cluster}, tiles2 {p.tiles2} (even {p.even2}), loads {p.loads}")  # fmt: skip
         assert p.cluster == 2 * s.inter // 128 * p.split and r["cluster"] == [p.cluster, 1, 1]
-        # 9 (M = 1) to 27 (M = 3) 4-CTA clusters: 36..108 CTAs < 0.9 x 132.
-        assert p.split == (2 if s.inter == 256 and s.tokens <= 3 else 1)
+        # The inter-256 shapes split in 2 where the split grid is one wave
+        # (``mega_plan.one_wave``: 9..36 eight-CTA clusters of M = 1..4 on 132 SMs).
+        clusters = s.tokens * (s.top_k + s.shared_experts)
+        wave = mp.one_wave("sm_90a", clusters, 2 * s.inter // 128 * 2, s.sms)
+        assert p.split == (2 if s.inter == 256 and wave else 1)
         assert r["grid"] == [p.cluster * s.tokens * (s.top_k + s.shared_experts), 1, 1]
         names = MEGA_PARAMS if s.shared_experts else ROUTED_PARAMS
         assert [n for n, _ in r["params"]] == list(names)
