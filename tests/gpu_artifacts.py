@@ -32,16 +32,21 @@ def pooled_rel_l2(pairs) -> float:
 SUM_ULPS = 2
 
 
-def final_bound(terms, shared):
-    """float64 [M, H]: how far a kernel's BF16 ``final`` may be from the exact
-    sum of its ``terms`` (float64 [M, top_k, H], weight x BF16 route row) and
-    ``shared`` (float64 [M, H] or None): the FP32 sum in any order, fused or
-    not, is within (top_k + SUM_ULPS) x 2^-24 of the summands' magnitudes, and
-    rounding it to BF16 moves it by at most 2^-8 of itself."""
-    size = terms.abs().sum(1) + (0 if shared is None else shared.abs())
-    want = terms.sum(1) + (0 if shared is None else shared)
-    drift = (terms.shape[1] + SUM_ULPS) * 2.0**-24 * size
-    return 2.0**-8 * (want.abs() + drift) + drift
+def final_bound(out, weights, shared):
+    """(exact sum, bound), float64 [M, H] each, of a kernel's BF16 ``final``
+    against its own launch's rows: the exact weighted sum of the BF16 route
+    rows ``out`` ([M * top_k, H]) with ``weights`` ([M, top_k]) plus the
+    ``shared`` rows ([M, H] or None), and how far ``final`` may be from it:
+    the FP32 sum in any order, fused or not, is within (top_k + SUM_ULPS) x
+    2^-24 of the summands' magnitudes, and rounding it to BF16 moves it by
+    at most 2^-8 of itself."""
+    m, k = weights.shape
+    terms = weights.double()[:, :, None] * out.double().view(m, k, -1)
+    extra = 0 if shared is None else shared.double()
+    size = terms.abs().sum(1) + (0 if shared is None else extra.abs())
+    want = terms.sum(1) + extra
+    drift = (k + SUM_ULPS) * 2.0**-24 * size
+    return want, 2.0**-8 * (want.abs() + drift) + drift
 
 
 def artifact_paths(env: str) -> list[Path]:

@@ -195,9 +195,10 @@ def test_final_bound_holds_every_fp32_order_and_catches_a_dropped_route(with_sha
     """tests/gpu_artifacts.py ``final_bound`` (what the GPU tests hold a
     kernel's ``final`` to against its own rows): an FP32 sum of BF16 rows
     in top-k order, fused (each step's product-sum in float64, then rounded
-    to FP32: an FMA up to double rounding) or not, then rounded to BF16, is within it everywhere, cancellation
-    included (routes of opposite sign, softmax-peaked weights); the same sum
-    without its last route, or with two weights swapped, is not."""
+    to FP32: an FMA up to double rounding) or not, then rounded to BF16, is
+    within it everywhere, cancellation included (routes of opposite sign,
+    softmax-peaked weights); the same sum without its last route, or with two
+    weights swapped, is not. Its exact sum is ``finalize``'s in float64."""
     from gpu_artifacts import final_bound
 
     g = seeding.generator()
@@ -205,10 +206,10 @@ def test_final_bound_holds_every_fp32_order_and_catches_a_dropped_route(with_sha
     rows = (torch.randn(m, k, h, generator=g) * torch.rand(m, k, 1, generator=g) * 4).bfloat16()
     weights = torch.softmax(torch.randn(m, k, generator=g) * 2, dim=1)
     shared = torch.randn(m, h, generator=g).bfloat16() if with_shared else None
-    extra = None if shared is None else shared.double()
-    terms = weights.double()[:, :, None] * rows.double()
-    want = terms.sum(1) + (0 if extra is None else extra)
-    bound = final_bound(terms, extra)
+    want, bound = final_bound(rows.view(m * k, h), weights, shared)
+    exact = finalize(rows.view(m * k, h).double(), weights.double(),
+                     None if shared is None else shared.double(), k, rounded=False)  # fmt: skip
+    assert torch.allclose(want, exact, rtol=1e-12, atol=0)  # the float64 finalize's sum
 
     def summed(w, routes, fused):
         total = torch.zeros(m, h)

@@ -190,10 +190,8 @@ def test_combine_matches_finalize(with_shared):
     shared = (torch.randn(m, h, generator=g) * 4).to(torch.bfloat16) if with_shared else None
     got = combine(out, weights, shared)
     assert got.dtype == torch.bfloat16 and got.shape == (m, h)
-    terms = weights.double()[:, :, None] * out.double().view(m, k, h)
-    extra = None if shared is None else shared.double()
-    want = terms.sum(1) + (0 if extra is None else extra)
-    assert bool(((got.double() - want).abs() <= final_bound(terms, extra)).all())
+    want, bound = final_bound(out, weights, shared)
+    assert bool(((got.double() - want).abs() <= bound).all())
     exact = finalize(out.double(), weights.double(),
                      None if shared is None else shared.double(), k, rounded=False)  # fmt: skip
     assert rel_l2(got, exact) < 4e-3

@@ -294,10 +294,8 @@ def test_final_is_the_weighted_sum_of_its_own_rows(bound, dtype):
         for part, t in (("final", final), ("out", out), ("weights", w), ("shared", shared)):
             assert t is None or not t.isnan().any(), f"{v.name}: unwritten {part}"
         assert bool(((ids >= 0) & (ids < shape.experts)).all()), f"{v.name}: ids {ids.tolist()}"
-        terms = w.double()[:, :, None] * out.double().view(m, shape.top_k, -1)
-        extra = None if shared is None else shared.double()
-        want = terms.sum(1) + (0 if extra is None else extra)
-        off = (final.double() - want).abs() / final_bound(terms, extra)
+        want, bound = final_bound(out, w, shared)
+        off = (final.double() - want).abs() / bound
         bad = ~(off <= 1)  # NaN (0 / 0, or an Inf) counts as past the bound
         line = f"{name} {v.name}: final off its rows' sum by at most {off.max().item():.3f} of the bound"
         if bool(bad.any()):
