@@ -435,9 +435,16 @@ def gpu_state(device: torch.device) -> dict:
 
 
 def commit_id() -> str:
-    """The source commit: $MOE_BUILD_COMMIT (set it where the tree has no .git)
-    or git's HEAD."""
-    return os.environ.get("MOE_BUILD_COMMIT") or _env_fact(["git", "rev-parse", "HEAD"])
+    """The source commit: $MOE_BUILD_COMMIT (set it where the tree has no .git,
+    or where HEAD is not what the files are), else git's HEAD, with
+    ``-dirty`` where tracked files differ from it (a result then says it did
+    not run HEAD's tree)."""
+    named = os.environ.get("MOE_BUILD_COMMIT")
+    if named:
+        return named
+    head = _env_fact(["git", "rev-parse", "HEAD"])
+    changed = _env_fact(["git", "status", "--porcelain", "--untracked-files=no"], fallback="")
+    return f"{head}-dirty" if changed and head != "unknown" else head
 
 
 class Bench:

@@ -394,6 +394,22 @@ def test_row_takes_the_pooled_verdict_and_the_median_host_time():
     assert not bench._row("mega", 1, "skewed", 4.0, True, [10.0], bad).correct
 
 
+def test_commit_id_names_the_tree_that_runs(monkeypatch):
+    """$MOE_BUILD_COMMIT first; else git's HEAD, marked ``-dirty`` where
+    tracked files differ from it; "unknown" without git."""
+    answers = {}
+    monkeypatch.setattr(bench_module, "_env_fact",
+                        lambda cmd, fallback="unknown": answers.get(cmd[1], fallback))  # fmt: skip
+    monkeypatch.delenv("MOE_BUILD_COMMIT", raising=False)
+    assert bench_module.commit_id() == "unknown"
+    answers.update({"rev-parse": "abc123", "status": ""})
+    assert bench_module.commit_id() == "abc123"
+    answers["status"] = " M kernels/mega_plan.py"
+    assert bench_module.commit_id() == "abc123-dirty"
+    monkeypatch.setenv("MOE_BUILD_COMMIT", "d567cf4")
+    assert bench_module.commit_id() == "d567cf4"
+
+
 @pytest.mark.parametrize("shape", [CHECK_SHAPE, SOFTMAX], ids=["glm5-family", "softmax"])
 def test_result_records_the_check_calls_model_and_routing_rule(shape, monkeypatch):
     monkeypatch.setattr(bench_module, "device_facts", lambda d: {"device": "GPU"})
