@@ -174,13 +174,16 @@ class _Launches(ReferenceLayer):
         self.final_writers |= {f"grouped-m{t}-{d}-final" for t in BUCKETS["grouped"]
                                for d in self.dtypes}  # fmt: skip
 
+    def _sum(self, out, weights, shared):
+        """``final`` as the kernels write it: the FP32 sum of the BF16 rows,
+        rounded to BF16 once."""
+        return finalize(out, weights, shared, self.args[2].top_k).bfloat16()
+
     def _outputs(self, variant, r) -> dict:
         out = r.out.bfloat16()
         shared = None if r.shared is None else r.shared.bfloat16()
-        k = self.args[2].top_k
-        final = finalize(out, r.weights, shared, k).bfloat16()
         return {"out": out, "ids": r.ids, "weights": r.weights, "shared_out": shared,
-                "final": final}  # fmt: skip
+                "final": self._sum(out, r.weights, shared)}  # fmt: skip
 
     def _run(self, variant, x, logits, bias, m, final_only=False):
         assert x.shape[0] == m == variant.tokens and not final_only
@@ -199,10 +202,9 @@ class _DroppedRoute(_Launches):
 
     def _outputs(self, variant, r):
         got = super()._outputs(variant, r)
-        k = self.args[2].top_k
         kept = r.weights.clone()
         kept[:, -1] = 0
-        got["final"] = finalize(got["out"], kept, got["shared_out"], k).bfloat16()
+        got["final"] = self._sum(got["out"], kept, got["shared_out"])
         return got
 
 
@@ -215,8 +217,7 @@ class _OtherRows(_Launches):
         if variant.name.endswith("-final"):
             bits = got["out"].view(torch.int16)
             got["out"] = torch.where(bits > 0, bits + 1, bits).view(torch.bfloat16)
-            k = self.args[2].top_k
-            got["final"] = finalize(got["out"], r.weights, got["shared_out"], k).bfloat16()
+            got["final"] = self._sum(got["out"], r.weights, got["shared_out"])
         return got
 
 
