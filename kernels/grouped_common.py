@@ -79,7 +79,8 @@ Phases of a call, and what each waits on:
    the unit's readiness counter reaches ``pairs``. An FC1 pair piece that is
    not the whole pair is published (FP32 partial at ``partial_slot``,
    release on the ``pair_counter``) or, by its owner (``pair_owners``), waited
-   for (acquire, last - first publications) and summed; a finished pair
+   for (acquire, ``pair_partials`` publications: one from each later CTA of
+   the pair that holds a stage of the half) and summed; a finished pair
    publishes its hidden block and scales and releases the unit's readiness
    counter.
 5. ``end_call``, after a ``__syncthreads`` (every role is through its
@@ -1078,21 +1079,24 @@ class GroupedCommon:
                     ptx.red_add_release_gpu_u32(arrivals, Uint32(1))
             else:
                 if e == 0:
-                    wait_at_least(arrivals, Uint32(last - first))
+                    wait_at_least(arrivals, Uint32(gp.pair_partials(self.plan, first, last, size,
+                                                                    select)))  # fmt: skip
                 ptx.bar_sync(BAR_EPILOGUE, EPILOGUE_THREADS)
                 ptx.fence_acq_rel_gpu()
                 for c in cutlass.range(first + 1, last + 1, unroll=1):
-                    piece = partial + gp.partial_slot(self.plan, Int64(half), c) * piece_bytes
-                    for i in cutlass.range_constexpr(2 * v // 4):
-                        got = ptx.ld_global_cg_v4_u32(
-                            piece + (Int64(i) * EPILOGUE_THREADS + e) * 16
-                        )
-                        o = (i % (v // 4)) * 4
-                        for k in cutlass.range_constexpr(4):
-                            if cutlass.const_expr(i < v // 4):
-                                up[o + k] = up[o + k] + ptx.bits_float(got[k])
-                            else:
-                                gate[o + k] = gate[o + k] + ptx.bits_float(got[k])
+                    # A CTA with no stage in this half published nothing.
+                    if gp.holds_stages(self.plan, c, size):
+                        piece = partial + gp.partial_slot(self.plan, Int64(half), c) * piece_bytes
+                        for i in cutlass.range_constexpr(2 * v // 4):
+                            got = ptx.ld_global_cg_v4_u32(
+                                piece + (Int64(i) * EPILOGUE_THREADS + e) * 16
+                            )
+                            o = (i % (v // 4)) * 4
+                            for k in cutlass.range_constexpr(4):
+                                if cutlass.const_expr(i < v // 4):
+                                    up[o + k] = up[o + k] + ptx.bits_float(got[k])
+                                else:
+                                    gate[o + k] = gate[o + k] + ptx.bits_float(got[k])
                 self.finish(t, frag, up, gate, unit, pair, count, e, hidden, hscale, unit_ready)
 
     @cute.jit

@@ -27,7 +27,7 @@ on values fixed at compile time), so
 the CPU tests of this module exercise the code the cubins contain:
 ``grouped_common`` calls ``ranges``, ``locate``, ``describe`` (``pack``),
 ``unpack``, ``fc2_word``, ``job_of``, ``pair_of``, ``pair_owners``
-(``owner``), ``weight_box``, ``scale_index``, ``mask_slot``, ``rank_in_mask``,
+(``owner``), ``pair_partials``, ``holds_stages``, ``weight_box``, ``scale_index``, ``mask_slot``, ``rank_in_mask``,
 ``units_of``, ``unit_size``, ``ring_index``, ``b_chunk``, ``partial_slot``,
 ``pair_counter``, ``zero_share``, ``call_parity`` and ``call_limit`` itself.
 The rest (workspace sizes, the shared-memory layout, unit capacity) sizes
@@ -689,8 +689,26 @@ def pair_of(plan: GroupedPlan, s, n, opened):
 def pair_owners(plan: GroupedPlan, base, size):
     """(first, last) CTA holding a stage of the pair whose first stage is
     ``base`` in a ``size``-stage half; the first owns (finishes) the pair and
-    waits for last - first partials."""
+    waits for ``pair_partials`` partials, one from each CTA after it up to
+    the last that ``holds_stages``."""
     return owner(plan, base, size), owner(plan, base + plan.span - 1, size)
+
+
+def holds_stages(plan: GroupedPlan, cta, size):
+    """Whether CTA ``cta``'s range of a ``size``-stage half is not empty (its
+    stage count in ``ranges``). Every CTA's is when size >= grid; below,
+    each range holds at most one stage and some none (a call of few units
+    of a small shape: GLM-5's 128-stage unit leaves 4 of 132 CTAs empty,
+    hidden 1024 x inter 128's 16-stage unit 116)."""
+    return (cta + 1) * size // plan.grid > cta * size // plan.grid
+
+
+def pair_partials(plan: GroupedPlan, first, last, size, select=pick):
+    """Partials the owner ``first`` of a pair (``pair_owners``) waits for:
+    one from each CTA in first + 1 .. last that ``holds_stages``. That is
+    every one of them when size >= grid, else (one stage a range at most)
+    one a stage of the pair after the first: span - 1."""
+    return select(size >= plan.grid, last - first, plan.span - 1)
 
 
 def partial_slot(plan: GroupedPlan, half, cta):
@@ -744,7 +762,7 @@ class Piece:
     first: int  # stage index in its half
     last: int
     role: str  # "whole" | "publish" | "own"
-    pieces_before: int  # for "own": partials it waits for (last - first CTA)
+    pieces_before: int  # for "own": partials it waits for (``pair_partials``)
 
 
 def close_pair(plan: GroupedPlan, r: Ranges, cta: int, n_open: int, n: int) -> Piece:
@@ -754,10 +772,11 @@ def close_pair(plan: GroupedPlan, r: Ranges, cta: int, n_open: int, n: int) -> P
     start = s - (n - n_open)
     if whole:
         return Piece(half, unit, pair, start, s, "whole", 0)
-    first, last = pair_owners(plan, base, r.s1a if half == 0 else r.s1b)
+    size = r.s1a if half == 0 else r.s1b
+    first, last = pair_owners(plan, base, size)
     if cta != first:
         return Piece(half, unit, pair, start, s, "publish", 0)
-    return Piece(half, unit, pair, start, s, "own", last - first)
+    return Piece(half, unit, pair, start, s, "own", pair_partials(plan, first, last, size))
 
 
 def pieces(plan: GroupedPlan, units: int, cta: int) -> list[Piece]:

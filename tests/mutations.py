@@ -339,6 +339,19 @@ MUTATIONS = (
         ("tests/test_grouped_plan.py::test_the_device_code_calls_the_plan_formulas",),
     ),
     Mutation(
+        "grouped-pair-waits-for-every-cta", "kernels/grouped_plan.py",
+        "return select(size >= plan.grid, last - first, plan.span - 1)",
+        "return last - first",
+        ("tests/test_grouped_plan.py::test_fc1_cover_halves_of_fewer_stages_than_ctas",
+         "tests/test_grouped_plan.py::test_holds_stages_is_a_nonempty_range"),
+    ),
+    Mutation(
+        "grouped-owner-sums-empty-ctas", "kernels/grouped_common.py",
+        "if gp.holds_stages(self.plan, c, size):",
+        "if True:",
+        ("tests/test_grouped_plan.py::test_the_device_code_calls_the_plan_formulas",),
+    ),
+    Mutation(
         "grouped-depth-two-for-odd-inter", "kernels/grouped_plan.py",
         "return DEPTH if (hidden // TILE) % DEPTH == 0 and (inter // TILE) % DEPTH == 0 else 1",
         "return DEPTH if (hidden // TILE) % DEPTH == 0 else 1",

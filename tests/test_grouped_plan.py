@@ -254,6 +254,37 @@ def test_fc1_cover_small_shapes():
         check_cover(p, units)
 
 
+@pytest.mark.parametrize("hidden,inter,top_k,units", [
+    (1024, 128, 1, 1), (1024, 128, 1, 3), (1024, 128, 2, 8), (2048, 128, 1, 2),
+    (1024, 256, 1, 1), (4096, 128, 1, 1), (1024, 1024, 1, 1), (4096, 512, 1, 1),
+])  # fmt: skip
+def test_fc1_cover_halves_of_fewer_stages_than_ctas(hidden, inter, top_k, units):
+    """A half of fewer FC1 stages than CTAs (a call of few units of a small
+    shape: the padded M = 1 call of a top-1 model is one unit) leaves CTAs
+    without stages between a pair's owner and its last piece; the owner
+    waits for the pieces that exist (hidden 1024 x inter 128 at 132 CTAs
+    hung on the H200 while it waited for last - first)."""
+    p = gp.GroupedPlan(hidden, inter, 64, top_k, 8, 132, shared_experts=0)
+    assert units * p.unit1 < p.grid
+    check_cover(p, units)
+
+
+@pytest.mark.parametrize("size", [0, 1, 16, 100, 131, 132, 133, 264, 1000])
+def test_holds_stages_is_a_nonempty_range(size):
+    """``holds_stages`` agrees with ``ranges``' stage counts in both halves,
+    and ``pair_partials`` counts the CTAs after a pair's owner that hold its
+    stages."""
+    p = plan(grid=132)
+    for cta in range(p.grid):
+        lo, hi = cta * size // p.grid, (cta + 1) * size // p.grid
+        assert gp.holds_stages(p, cta, size) == (hi > lo)
+    for base in range(0, size - p.span + 1, p.span):
+        first, last = gp.pair_owners(p, base, size)
+        holders = {gp.owner(p, s, size) for s in range(base, base + p.span)}
+        assert holders == {c for c in range(first, last + 1) if gp.holds_stages(p, c, size)}
+        assert gp.pair_partials(p, first, last, size) == len(holders) - 1
+
+
 @pytest.mark.parametrize("inter", [512, 384])
 @pytest.mark.parametrize("units", [1, 40, 41, 306])
 def test_fc2_jobs_cover_every_unit_tile(units, inter):
@@ -387,7 +418,7 @@ def test_pack_roundtrip_and_end():
 #: The formulas of ``grouped_plan`` the device code calls itself (its docstring's list).
 DEVICE_FORMULAS = (
     "ranges", "locate", "describe", "unpack", "fc2_word", "job_of", "pair_of", "pair_owners",
-    "weight_box", "scale_index", "mask_slot", "rank_in_mask", "units_of", "unit_size",
+    "pair_partials", "holds_stages", "weight_box", "scale_index", "mask_slot", "rank_in_mask", "units_of", "unit_size",
     "ring_index", "b_chunk", "partial_slot", "pair_counter", "zero_share", "call_parity",
     "call_limit",
 )  # fmt: skip

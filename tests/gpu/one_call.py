@@ -2,7 +2,11 @@
 (compute-sanitizer, ncu):
 
     compute-sanitizer --tool memcheck --kernel-name kns=moe_ \
-        python3 tests/gpu/one_call.py ARTIFACT VARIANT
+        python3 tests/gpu/one_call.py ARTIFACT VARIANT [same]
+
+With ``same`` every token is a copy of the first (x and logits), so every
+token takes the same routes: the shape of a padded M = 1 call, the fewest
+units a grouped call can have.
 
 Weights are random bytes (FP8 NaN codes replaced) made with a handful of
 torch kernels, so a sanitizer spends its time on the MoE kernel, not on
@@ -43,7 +47,7 @@ def random_experts(e: int, hidden: int, inter: int, device) -> ExpertWeights:
     )
 
 
-def main(path: str, name: str) -> int:
+def main(path: str, name: str, same: bool = False) -> int:
     device = torch.device("cuda", 0)
     artifact = runtime.load(path, device)
     variant = {v.name: v for v in artifact.variants}[name]
@@ -58,6 +62,8 @@ def main(path: str, name: str) -> int:
     m = variant.tokens
     x = torch.randn(m, s.hidden, device=device).bfloat16()
     logits = torch.randn(m, s.experts, device=device).to(dtype)
+    if same:
+        x, logits = x[:1].expand_as(x).contiguous(), logits[:1].expand_as(logits).contiguous()
     # A model routing without a score-correction bias takes none.
     bias = torch.randn(s.experts, device=device) * 0.1 if s.bias else None
     if variant.kernel == "mega":
@@ -73,4 +79,6 @@ def main(path: str, name: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], sys.argv[2]))
+    if len(sys.argv) not in (3, 4) or sys.argv[3:] not in ([], ["same"]):
+        sys.exit("usage: one_call.py ARTIFACT VARIANT [same]")
+    sys.exit(main(sys.argv[1], sys.argv[2], sys.argv[3:] == ["same"]))
