@@ -697,9 +697,9 @@ def pair_owners(plan: GroupedPlan, base, size):
 def holds_stages(plan: GroupedPlan, cta, size):
     """Whether CTA ``cta``'s range of a ``size``-stage half is not empty (its
     stage count in ``ranges``). Every CTA's is when size >= grid; below,
-    each range holds at most one stage and some none (a call of few units
-    of a small shape: GLM-5's 128-stage unit leaves 4 of 132 CTAs empty,
-    hidden 1024 x inter 128's 16-stage unit 116)."""
+    each range holds at most one stage and grid - size hold none (a call
+    of few units whose FC1 stages, ``unit1`` a unit, number fewer than the
+    grid's CTAs)."""
     return (cta + 1) * size // plan.grid > cta * size // plan.grid
 
 
