@@ -27,8 +27,9 @@ on values fixed at compile time), so
 the CPU tests of this module exercise the code the cubins contain:
 ``grouped_common`` calls ``ranges``, ``locate``, ``describe`` (``pack``),
 ``unpack``, ``fc2_word``, ``job_of``, ``pair_of``, ``pair_owners``
-(``owner``), ``pair_partials``, ``holds_stages``, ``weight_box``, ``scale_index``, ``mask_slot``, ``rank_in_mask``,
-``units_of``, ``unit_size``, ``ring_index``, ``b_chunk``, ``partial_slot``,
+(``owner``), ``pair_partials``, ``holds_stages``, ``weight_box``,
+``scale_index``, ``mask_slot``, ``rank_in_mask``, ``units_of``, ``unit_size``,
+``ring_index``, ``b_chunk``, ``partial_slot``,
 ``pair_counter``, ``zero_share``, ``call_parity`` and ``call_limit`` itself.
 The rest (workspace sizes, the shared-memory layout, unit capacity) sizes
 what the kernels are compiled with; ``number_units``, ``pieces`` and

@@ -418,9 +418,9 @@ def test_pack_roundtrip_and_end():
 #: The formulas of ``grouped_plan`` the device code calls itself (its docstring's list).
 DEVICE_FORMULAS = (
     "ranges", "locate", "describe", "unpack", "fc2_word", "job_of", "pair_of", "pair_owners",
-    "pair_partials", "holds_stages", "weight_box", "scale_index", "mask_slot", "rank_in_mask", "units_of", "unit_size",
-    "ring_index", "b_chunk", "partial_slot", "pair_counter", "zero_share", "call_parity",
-    "call_limit",
+    "pair_partials", "holds_stages", "weight_box", "scale_index", "mask_slot", "rank_in_mask",
+    "units_of", "unit_size", "ring_index", "b_chunk", "partial_slot", "pair_counter", "zero_share",
+    "call_parity", "call_limit",
 )  # fmt: skip
 
 
