@@ -40,11 +40,62 @@ def test_every_model_config_builds():
     assert {name for name, _ in BUILDABLE} == {p.name for p in (ROOT / "configs").glob("*.yaml")}
 
 
+#: Shapes no config ships, at the edges of what the kernels serve (an odd K
+#: extent of hidden and of inter, 14- and 16-CTA mega clusters, top-32 of 512
+#: experts in groups, top-2 without a shared expert, softmax with a bias): each
+#: also ran on the H200 against the float64 reference at M = 1..200
+#: (docs/notes/models-h200.md, "Shapes outside the seven configs").
+EDGE_SHAPES = {
+    "h1152-i384-softmax-bias": dict(hidden=1152, inter=384, experts=32, top_k=4,
+                                    shared_experts=1, score="softmax", bias=True,
+                                    renormalize=False),
+    "h2176-i896-top32-groups": dict(hidden=2176, inter=896, experts=512, top_k=32,
+                                    shared_experts=1, score="sigmoid", bias=True, groups=16,
+                                    groups_kept=8, routed_scale=2.0, swiglu_limit=7.0),
+    "h1024-i1024-top2-routed": dict(hidden=1024, inter=1024, experts=64, top_k=2,
+                                    shared_experts=0, score="sigmoid", bias=True,
+                                    renormalize=False),
+}  # fmt: skip
+
+
+def _edge_config(tmp_path, model: dict):
+    """A config of ``model`` (over the keys every config spells out) with
+    both kernels, every bucket and both archs."""
+    import yaml
+
+    full = dict(routed_scale=1.0, swiglu_limit=None, ue8m0=False, groups=1, groups_kept=1,
+                renormalize=True) | model  # fmt: skip
+    path = tmp_path / "edge.yaml"
+    path.write_text(yaml.safe_dump({
+        "name": "edge", "model": full,
+        "kernels": {"mega": {"tokens": [1, 2, 3, 4]},
+                    "grouped": {"tokens": [8, 16, 32, 48, 64, 96, 128], "finalize": [False, True]}},
+        "logits_dtypes": ["float32", "bfloat16"],
+        "targets": [{"arch": "sm_90a", "sms": 132}, {"arch": "sm_100a", "sms": 148}],
+    }))  # fmt: skip
+    return load_config(path)
+
+
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 @pytest.mark.parametrize("name,config", BUILDABLE, ids=[n for n, _ in BUILDABLE])
 def test_one_variant_of_each_kernel_of_each_config_compiles(tmp_path, name, config, arch):
     """The grouped M = 8 finalize variant and the mega M = 1 variant (BF16
     logits) of each config, from the config's own specs."""
+    check_one_variant_of_each_kernel(tmp_path, name, config, arch)
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+@pytest.mark.parametrize("name", sorted(EDGE_SHAPES))
+def test_edge_shapes_compile(tmp_path, name, arch):
+    """The same variants of each edge shape, which validates on both archs."""
+    config = _edge_config(tmp_path, EDGE_SHAPES[name])
+    check_one_variant_of_each_kernel(tmp_path, name, config, arch)
+
+
+def check_one_variant_of_each_kernel(tmp_path, name, config, arch):
+    """Compiles the grouped M = 8 finalize and mega M = 1 variants (BF16
+    logits) of ``config`` for ``arch`` and checks their clamp, ABI and bias
+    read against the model."""
     chosen = [v for v in expand(config, archs=[arch])
               if v.logits_dtype == "bfloat16" and ((v.kernel == "grouped" and v.tokens == 8
                                                     and v.finalize)
