@@ -7,8 +7,15 @@
 // median, max over the clusters) and, per cluster, its end time and SMs.
 // The mega kernel's grids are this shape: one cluster per route.
 //
+// With GRAPH set to 1 it also times what `moe-build bench` times: a CUDA
+// graph of 8 launches (each with programmatic stream serialization, as the
+// runtime launches the kernels, each CTA waiting on `griddepcontrol.wait`
+// first and issuing no early trigger), each on its own buffer, replayed
+// `reps` times; it prints the median per launch, so the gap between one
+// launch's last CTA and the next one's first is in it.
+//
 //   nvcc -O2 -arch=sm_90a -o cluster_stream benchmarks/cluster_stream.cu
-//   ./cluster_stream G C S KiB [reps]     # e.g. 9 8 10 768: GLM-5 at M = 1
+//   ./cluster_stream G C S KiB [reps] [GRAPH]   # e.g. 9 8 10 768: GLM-5 at M = 1
 //
 // Results and what they showed: docs/notes/mega-sm90.md, "Cluster size and
 // GPC balance".
@@ -35,6 +42,8 @@ extern "C" __global__ void stream(const uint8_t* src, size_t per_cta, int stages
   __shared__ __align__(8) uint64_t bars[32];
   const int chunk = 16384;
   uint64_t t0 = gtimer();
+  // Returns at once without a programmatic dependency (the single launches).
+  asm volatile("griddepcontrol.wait;" ::: "memory");
   if (threadIdx.x == 0) {
     for (int s = 0; s < stages; ++s) {
       uint32_t b = (uint32_t)__cvta_generic_to_shared(&bars[s]);
@@ -77,11 +86,12 @@ extern "C" __global__ void stream(const uint8_t* src, size_t per_cta, int stages
 }
 
 int main(int argc, char** argv) {
-  // args: clusters cluster_size stages bytes_per_cta_kib [reps]
-  if (argc < 5) { printf("usage: clusters csize stages kib [reps]\n"); return 1; }
+  // args: clusters cluster_size stages bytes_per_cta_kib [reps] [graph]
+  if (argc < 5) { printf("usage: clusters csize stages kib [reps] [graph]\n"); return 1; }
   int G = atoi(argv[1]), C = atoi(argv[2]), S = atoi(argv[3]);
   size_t per = (size_t)atoi(argv[4]) * 1024;
   int reps = argc > 5 ? atoi(argv[5]) : 30;
+  int graph = argc > 6 ? atoi(argv[6]) : 0;
   int grid = G * C;
   size_t total = per * grid;
   size_t pool = ((size_t)4 << 30);  // 4 GiB: rotate so L2 holds nothing
@@ -128,6 +138,36 @@ int main(int argc, char** argv) {
   printf("RESULT G=%d C=%d S=%d KiB=%zu grid=%d resident_clusters=%d MB=%.1f median_us=%.2f TB/s=%.3f "
          "cluster_end_us min=%.2f med=%.2f max=%.2f\n", G, C, S, per / 1024, grid, active,
          total / 1e6, med, total / (med * 1e-6) / 1e12, se[0], se[G / 2], last);
+  if (graph) {
+    // 8 launches a graph, as the bench's graphs of 8 calls (one buffer each).
+    const int calls = 8;
+    cudaLaunchAttribute gattr[2];
+    gattr[0] = attr[0];
+    gattr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    gattr[1].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t gcfg = cfg;
+    gcfg.attrs = gattr; gcfg.numAttrs = 2;
+    cudaGraph_t g; cudaGraphExec_t ge;
+    CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+    for (int c = 0; c < calls; ++c) {
+      const uint8_t* src = buf + (size_t)(c % copies) * total;
+      CK(cudaLaunchKernelEx(&gcfg, stream, src, per, S, stamps, 0));
+    }
+    CK(cudaStreamEndCapture(st, &g));
+    CK(cudaGraphInstantiate(&ge, g, 0));
+    std::vector<float> gt;
+    for (int r = 0; r < reps + 5; ++r) {
+      CK(cudaEventRecord(a, st));
+      CK(cudaGraphLaunch(ge, st));
+      CK(cudaEventRecord(b, st));
+      CK(cudaEventSynchronize(b));
+      float ms; CK(cudaEventElapsedTime(&ms, a, b));
+      if (r >= 5) gt.push_back(ms * 1000.f / calls);
+    }
+    std::sort(gt.begin(), gt.end());
+    printf("GRAPH G=%d C=%d S=%d KiB=%zu per_launch_us=%.2f (min %.2f) TB/s=%.3f\n", G, C, S,
+           per / 1024, gt[gt.size() / 2], gt[0], total / (gt[gt.size() / 2] * 1e-6) / 1e12);
+  }
   printf("CLUSTERS");
   for (int g = 0; g < G; ++g) {
     printf(" [%d:%.1f:", g, ends[g]);
