@@ -40,9 +40,11 @@ Rings and barriers (arrive counts):
   * ``hrecv``: 1 + nk2 * (128 + 4) bytes, every up tile's FP8 hidden block
     and its scale (sent by part 0 of each up tile);
   * the cluster barrier: arrived (relaxed) by every thread after barrier
-    init and B-tile zeroing; waited by the MMA warps before GEMM1 and by the
-    producer lane before its first wait on a free stage, so every wait on a
-    peer's DSMEM writes comes after every peer's barriers exist;
+    init and B-tile zeroing; waited by the MMA warps at entry, before the
+    PDL wait, where the plan runs 2 or more CTAs per SM, else just before
+    GEMM1 (``mega_plan.MegaPlan.entry_cluster_wait``), and by the producer
+    lane before its first wait on a free stage, so every wait on a peer's
+    DSMEM writes comes after every peer's barriers exist;
   * named barrier 1: the MMA warpgroup (B-tile refills, the hidden block,
     the finalize's arrival);
   * ``arrivals[token, rank]`` (global, u32): one ``atom.release.gpu.add``
@@ -197,6 +199,8 @@ class MegaMoeSm90(mgc.MegaEntries):
             else:
                 ptx.cluster_wait_divergent()  # before any wait on a peer (module docstring)
         else:
+            if cutlass.const_expr(plan.entry_cluster_wait):
+                ptx.cluster_wait()  # else before GEMM1 ("Cluster waits")
             ptx.griddepcontrol_wait()
             # A shared cluster routes too (no record): the finalize needs the
             # token's weights in whichever cluster arrives last.
@@ -345,7 +349,8 @@ class MegaMoeSm90(mgc.MegaEntries):
         if cutlass.const_expr(len(groups) == 1):
             w2s, out_rows = self.gemm2_inputs(w2_scale, rows2, expert, rank, quad, row, 0,
                                               tiles2)  # fmt: skip
-        ptx.cluster_wait()  # peers' barriers are initialized; "Cluster waits"
+        if cutlass.const_expr(not plan.entry_cluster_wait):
+            ptx.cluster_wait()  # peers' barriers are initialized; "Cluster waits"
         ptx.fence_proxy_async_shared()
         ptx.bar_sync(WG_BARRIER, MMA_THREADS)
 

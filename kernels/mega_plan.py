@@ -336,6 +336,18 @@ class MegaPlan:
     def ctas_per_sm(self) -> int:
         return occupancy(self.arch, self.groups, self.cluster, self.sms)
 
+    @property
+    def entry_cluster_wait(self) -> bool:
+        """sm_90a: whether the MMA warpgroup waits on the cluster barrier at
+        entry, before the PDL wait and the routing, rather than just before
+        GEMM1 (after the token's quantization and the scale loads). Where the
+        variant runs 2 or more CTAs per SM (rings of 6 or 3 stages): on the
+        H200 the wait before GEMM1 cost GLM-5.3 0.4-0.7 us a call at M = 2..4
+        that the entry wait does not, while at 1 CTA per SM (10 stages) the
+        entry wait read 0.1-0.3 us slower (``docs/notes/mega-sm90.md``,
+        "The MMA warps' cluster wait at entry")."""
+        return self.ctas_per_sm > 1
+
     # Shared memory -------------------------------------------------------------------
     @property
     def b_bytes(self) -> int:  # one B tile: b_rows token rows of 128 K bytes

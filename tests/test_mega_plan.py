@@ -293,6 +293,21 @@ def test_ring_depth_holds_every_cluster_at_its_ctas_per_sm():
     assert plan("sm_90a", tokens=4).ctas_per_sm == 1
 
 
+def test_mma_warps_wait_on_the_cluster_at_entry_only_where_ctas_share_an_sm():
+    """sm_90a: the MMA warpgroup's cluster wait moves from just before GEMM1
+    to the kernel's entry where the variant runs 2 or more CTAs per SM (its
+    ring 6 or 3 stages deep): GLM-5 at M = 2..4, not M = 1 (1 CTA per SM, 10
+    stages), nor a shape check without an SM count, nor Qwen3-30B's M = 1 at
+    one CTA per SM on a target whose SM count records nothing (the bound
+    holds its 8 twelve-CTA clusters at once)."""
+    glm5 = [plan("sm_90a", tokens=m, sms=132) for m in range(1, mp.MEGA_TOKENS + 1)]
+    assert [p.entry_cluster_wait for p in glm5] == [False, True, True, True]
+    assert not plan("sm_90a", tokens=4).entry_cluster_wait
+    qwen30b = {"hidden": 2048, "inter": 768, "experts": 128}
+    assert plan(tokens=1, shared=0, sms=132, **qwen30b).entry_cluster_wait  # 7 held: 2 a SM
+    assert not plan(tokens=1, shared=0, sms=200, **qwen30b).entry_cluster_wait
+
+
 @pytest.mark.parametrize("arch,shape,tokens,shared", list(cases()))
 def test_every_slice_of_final_has_one_last_arriver(arch, shape, tokens, shared):
     """The finalize's protocol (mega_common.finish_slice): a (token, rank)
