@@ -103,3 +103,47 @@ def resources(tool: str, cubin: Path) -> dict[str, int]:
 def count(counts: dict[str, int], prefix: str) -> int:
     """Occurrences of opcode ``prefix`` with any modifiers."""
     return sum(n for op, n in counts.items() if op == prefix or op.startswith(prefix + "."))
+
+
+_INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)([^;]*);")
+
+
+def loads_before_pdl_wait(tool: str, cubin: Path) -> list[str]:
+    """The global loads (``LDG``, ``LDGSTS``, generic ``LD``) of ``cubin``'s kernel that
+    some path from its entry reaches without passing a ``griddepcontrol.wait``
+    (SASS ``ACQBULK``): a load of an input the previous grid writes must come
+    after the wait on every path (ptxas moves ``ld.global.nc`` loads freely,
+    across the wait too). Walks the SASS control flow: an unpredicated
+    ``BRA`` jumps, a predicated one or ``BRA.DIV`` may also fall through, an
+    unpredicated ``EXIT`` ends a path, a ``CALL`` goes to its target and on
+    (its ``RET`` ends the callee's path); indirect jumps fail the walk."""
+    sass = subprocess.run([tool, "--dump-sass", str(cubin)], capture_output=True, text=True,
+                          check=True).stdout  # fmt: skip
+    return unwaited_loads(sass)
+
+
+def unwaited_loads(sass: str) -> list[str]:
+    """``loads_before_pdl_wait`` of one kernel's SASS text (cuobjdump's
+    ``/*addr*/ [@pred] OPCODE operands ;`` lines): "addr opcode operands" of
+    each load some path reaches before an ``ACQBULK``."""
+    code = [(int(a, 16), bool(p), op, rest) for a, p, op, rest in _INSTRUCTION.findall(sass)]
+    index = {addr: i for i, (addr, *_) in enumerate(code)}
+    unwaited, todo = set(), [0]
+    while todo:
+        i = todo.pop()
+        if i in unwaited or i >= len(code):
+            continue
+        unwaited.add(i)
+        _, predicated, op, rest = code[i]
+        base = op.split(".")[0]
+        assert base not in ("BRX", "JMX", "JMP"), (op, rest)
+        if op == "ACQBULK" and not predicated:
+            continue
+        if base in ("BRA", "CALL"):
+            todo.append(index[int(re.findall(r"0x([0-9a-f]+)", rest)[-1], 16)])
+            if predicated or op != "BRA":
+                todo.append(i + 1)
+        elif not (base in ("EXIT", "RET") and not predicated):
+            todo.append(i + 1)
+    return [f"{code[i][0]:04x} {code[i][2]}{code[i][3].rstrip()}" for i in sorted(unwaited)
+            if code[i][2].split(".")[0] in ("LDG", "LD", "LDGSTS")]  # fmt: skip

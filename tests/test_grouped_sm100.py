@@ -19,7 +19,15 @@ from pathlib import Path
 
 import pytest
 from grouped_layout import check_kernel_layout, check_notes
-from sass_tools import compile_specs, count, cuobjdump, glm5_specs, resources, sass_counts
+from sass_tools import (
+    compile_specs,
+    count,
+    cuobjdump,
+    glm5_specs,
+    loads_before_pdl_wait,
+    resources,
+    sass_counts,
+)
 
 from runtime.constants import SMEM_LIMIT, SMEM_OPTIN, TILE
 
@@ -177,6 +185,9 @@ def test_representative_glm5_grouped_buckets_build_for_sm100a(tmp_path):
     for r in records:
         cubin = tmp_path / (r["name"] + ".cubin")
         ops, res = sass_counts(tool, cubin), resources(tool, cubin)
+        # No global load on any path before the PDL wait (inputs may come
+        # from the previous grid).
+        assert loads_before_pdl_wait(tool, cubin) == [], r["name"]
         print(f"{r['name']}: {r['seconds']} s, REG {res['REG']}, smem {r['smem']}, "
               f"stages {r['notes']['stages']}, UTCQMMA {count(ops, 'UTCQMMA')}, "
               f"UTMALDG {count(ops, 'UTMALDG')}, LDTM {count(ops, 'LDTM')}, "

@@ -15,7 +15,14 @@ import re
 
 import pytest
 from grouped_layout import check_kernel_layout, check_notes
-from sass_tools import compile_specs, count, cuobjdump, resources, sass_counts
+from sass_tools import (
+    compile_specs,
+    count,
+    cuobjdump,
+    loads_before_pdl_wait,
+    resources,
+    sass_counts,
+)
 
 from runtime.constants import SMEM_LIMIT, SMEM_OPTIN
 
@@ -122,6 +129,10 @@ def test_variants_build_into_wgmma_tma_and_no_local_memory(built):
         assert count(ops, "WARPGROUP.DEPBAR") >= 1, ops  # wgmma.wait_group
         assert "LDL" not in ops and "STL" not in ops, ops
         assert res["LOCAL"] == 0 and res["STACK"] == 0, res
+        # No global load on any path before the PDL wait: x, logits and bias
+        # may come from the previous grid (the shared expert's L2 prefetch
+        # before the wait reads weights, and is no load).
+        assert loads_before_pdl_wait(tool, cubin) == [], s
         # One CTA per SM, all resident: registers and shared memory fit.
         assert res["REG"] * THREADS <= REGISTERS_PER_SM, res
         assert r["smem"] <= SMEM_LIMIT["sm_90a"]

@@ -12,7 +12,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from sass_tools import compile_specs, count, cuobjdump, glm5_specs, resources, sass_counts
+from sass_tools import (
+    compile_specs,
+    count,
+    cuobjdump,
+    glm5_specs,
+    loads_before_pdl_wait,
+    resources,
+    sass_counts,
+)
 
 pytest.importorskip("cutlass")  # the kernel module is device code
 
@@ -128,6 +136,9 @@ def test_every_glm5_mega_bucket_builds_for_sm100a(tmp_path):
     for r in records:
         cubin = tmp_path / (r["name"] + ".cubin")
         ops, res = sass_counts(tool, cubin), resources(tool, cubin)
+        # No global load on any path before the PDL wait (inputs may come
+        # from the previous grid).
+        assert loads_before_pdl_wait(tool, cubin) == [], r["name"]
         print(f"{r['name']}: {r['seconds']} s, REG {res['REG']}, smem {r['smem']}, "
               f"UTCQMMA {count(ops, 'UTCQMMA')}, UTMALDG {count(ops, 'UTMALDG')}, "
               f"LDTM {count(ops, 'LDTM')}, STAS {count(ops, 'STAS')}")  # fmt: skip

@@ -15,7 +15,14 @@ import dataclasses
 import re
 
 import pytest
-from sass_tools import compile_specs, count, cuobjdump, resources, sass_counts
+from sass_tools import (
+    compile_specs,
+    count,
+    cuobjdump,
+    loads_before_pdl_wait,
+    resources,
+    sass_counts,
+)
 
 from kernels import abi
 from kernels.spec import PARAMETER_NAMES, KernelSpec
@@ -76,6 +83,10 @@ def test_variants_build_into_wgmma_tma_and_no_local_memory(built):
         assert ops.get("SYNCS.PHASECHK.TRANS64", 0) == free_waits, ops
         assert "LDL" not in ops and "STL" not in ops, ops
         assert res["LOCAL"] == 0 and res["STACK"] == 0, res
+        # x, logits and bias may come from the previous grid: no global load
+        # on any path before its PDL wait (a shared route's producer, which
+        # streams before the wait, issues TMA only).
+        assert loads_before_pdl_wait(tool, cubin) == [], s
         # The CTAs per SM the ring depth was chosen for fit.
         per_sm = notes["ctas_per_sm"]
         assert res["REG"] * THREADS * per_sm <= REGISTERS_PER_SM, res
@@ -168,3 +179,4 @@ def test_other_model_shapes_build(tmp_path):
         assert ops.get("UTMALDG.3D", 0) == p.loads == p.nk1 // p.split + p.tiles2 * p.nk2, ops
         assert count(ops, "QGMMA") == p.loads * 2 * 4, ops
         assert res["LOCAL"] == 0, res
+        assert loads_before_pdl_wait(tool, cubin) == [], s
