@@ -224,7 +224,8 @@ def route_pick(
 ) -> Int32:
     """Expert of route ``k`` (0-based, selection order) of one token, with one
     warp (warp-uniform result): ``route_token``'s selection, stopped after
-    round ``k`` (no weight), for a caller whose next step waits on it."""
+    round ``k`` (no weight), for a caller whose next step waits on it; the
+    same rule on ``griddepcontrol.wait`` as ``route_token``."""
     _, keys = _route_keys(logits, bias, lane, experts, logits_bf16, routing)
     ks, es = _sort_candidates(keys, lane)
     pick = Int32(0)
@@ -259,8 +260,12 @@ def route_token(
     heads and min expert among the lanes holding it); ``weight_k = s_k /
     sum_j s_j * scale`` (sum in selection order), or ``s_k * scale`` without
     ``routing.renormalize``. Lane l holds experts l + 32 j, so ``experts``
-    must be a multiple of 32. Issue it after ``griddepcontrol.wait`` (it reads
-    inputs)."""
+    must be a multiple of 32. Issue it after a ``griddepcontrol.wait`` on the
+    same path, one no branch goes around (it reads inputs with
+    ``ld.global.nc``, which ptxas moves across a wait: behind a wait in a
+    branch it placed them where the branches meet, before the wait on the
+    other path; the compile tests walk each build's SASS for that,
+    ``tests/sass_tools.py``)."""
     scores, keys = _route_keys(logits, bias, lane, experts, logits_bf16, routing)
     ks, es = _sort_candidates(keys, lane)
     total = Float32(0.0)
