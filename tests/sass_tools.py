@@ -5,6 +5,7 @@ nvidia-cuda-cuobjdump wheel). Imports no cutlass itself."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -83,12 +84,28 @@ def cuobjdump() -> str:
     return str(found[0])
 
 
+#: One SASS instruction of cuobjdump's listing: address, predicate, opcode
+#: (with its modifiers), operands.
+_INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)([^;]*);")
+
+
+@functools.lru_cache(maxsize=64)
+def _dump(tool: str, cubin: str, stamp: tuple[int, int]) -> str:
+    return subprocess.run([tool, "--dump-sass", cubin], capture_output=True, text=True,
+                          check=True).stdout  # fmt: skip
+
+
+def dump_sass(tool: str, cubin: Path) -> str:
+    """``cubin``'s SASS listing, disassembled once per file version (the
+    tests read each cubin's SASS for several checks)."""
+    st = Path(cubin).stat()
+    return _dump(tool, str(cubin), (st.st_mtime_ns, st.st_size))
+
+
 def sass_counts(tool: str, cubin: Path) -> dict[str, int]:
     """How often each SASS opcode (with its modifiers) occurs in ``cubin``."""
-    sass = subprocess.run([tool, "--dump-sass", str(cubin)], capture_output=True, text=True,
-                          check=True).stdout  # fmt: skip
     counts: dict[str, int] = {}
-    for op in re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)", sass):
+    for _, _, op, _ in _INSTRUCTION.findall(dump_sass(tool, cubin)):
         counts[op] = counts.get(op, 0) + 1
     return counts
 
@@ -105,9 +122,6 @@ def count(counts: dict[str, int], prefix: str) -> int:
     return sum(n for op, n in counts.items() if op == prefix or op.startswith(prefix + "."))
 
 
-_INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)([^;]*);")
-
-
 def loads_before_pdl_wait(tool: str, cubin: Path) -> list[str]:
     """The global loads (``LDG``, ``LDGSTS``, generic ``LD``) of ``cubin``'s kernel that
     some path from its entry reaches without passing a ``griddepcontrol.wait``
@@ -117,9 +131,7 @@ def loads_before_pdl_wait(tool: str, cubin: Path) -> list[str]:
     ``BRA`` jumps, a predicated one or ``BRA.DIV`` may also fall through, an
     unpredicated ``EXIT`` ends a path, a ``CALL`` goes to its target and on
     (its ``RET`` ends the callee's path); indirect jumps fail the walk."""
-    sass = subprocess.run([tool, "--dump-sass", str(cubin)], capture_output=True, text=True,
-                          check=True).stdout  # fmt: skip
-    return unwaited_loads(sass)
+    return unwaited_loads(dump_sass(tool, cubin))
 
 
 def unwaited_loads(sass: str) -> list[str]:
