@@ -16,17 +16,25 @@ in the ``arrivals`` workspace, no CTA waiting on another). Without a shared
 expert the kernel has the routed-only ABI.
 
 Warp roles (160 threads):
-  * warps 0-3, the MMA warpgroup: route the token (every warp, no exchange),
-    quantize the CTA's K part of it (``blocks1`` K blocks) into the GEMM1 B
-    tiles, issue GEMM1 and GEMM2 (``wgmma m64n8k32``, FP8, FP32
+  * warps 0-3, the MMA warpgroup: quantize the CTA's K part of the token
+    (``blocks1`` K blocks) into the GEMM1 B tiles, then take the route's
+    expert from the producer warp (``PICK_BARRIER``; it indexes the block
+    scales), issue GEMM1 and GEMM2 (``wgmma m64n8k32``, FP8, FP32
     accumulators in registers), scale and reduce the accumulators, run the
-    DSMEM exchange (K parts' row sums to part 0, gate values to the up
-    tile, the hidden broadcast) and store the output row;
-  * warp 4, the producer: lane 0 streams the CTA's weight stages with TMA
-    (``mega_plan.gemm1_box``, then ``gemm2_box``), the other lanes only wait
-    on the cluster barrier. A shared cluster's producer starts before
-    ``griddepcontrol.wait`` (it needs no routing); a route's producer first
-    picks its expert (``moe_common.route_pick``: selection stopped at round k).
+    DSMEM exchange (K parts' row sums to part 0, gate values to the up tile,
+    the hidden broadcast), store the output row, and take the routing
+    weights (``WEIGHTS_BARRIER``) for the finalize;
+  * warp 4, the producer: a route's warp picks its expert
+    (``moe_common.route_pick``: selection stopped at round k; a shared
+    cluster needs none and starts before ``griddepcontrol.wait``) and
+    leaves it in shared ``pick``; lane 0 issues the loads that wait on no
+    free stage (the first ``stages``, TMA: ``mega_plan.gemm1_box``, then
+    ``gemm2_box``); then the whole warp routes the token in full
+    (``mega_common.route_and_record``: lane j's weight of route j into
+    shared ``route_weights``; rank 0 of a route's cluster records ids and
+    weights), and lane 0 streams the remaining stages while the other lanes
+    wait on the cluster barrier. So neither the MMA warps' start nor the
+    first loads wait on more than the pick.
 
 Rings and barriers (arrive counts):
   * ``full[s]``: 1 (the producer's expect_tx) + the TMA bytes of one box;
@@ -47,6 +55,10 @@ Rings and barriers (arrive counts):
     DSMEM writes comes after every peer's barriers exist;
   * named barrier 1: the MMA warpgroup (B-tile refills, the hidden block,
     the finalize's arrival);
+  * named barriers 2 (``PICK_BARRIER``) and 3 (``WEIGHTS_BARRIER``), 160
+    threads: the producer warp arrives once its pick, then its weights, are
+    in shared memory; the MMA warps sync on 2 after quantizing the token,
+    on 3 before the finalize;
   * ``arrivals[token, rank]`` (global, u32): one ``atom.release.gpu.add``
     per cluster of the token after its CTA of that rank stored its slice;
     the CTA that reads ``top_k + shared - 1`` acquires, sums and re-zeroes.
@@ -92,6 +104,8 @@ THREADS = MMA_THREADS + 32  # + the producer warp
 PRODUCER_WARP = MMA_THREADS // 32
 ENTRY = "moe_mega_sm90"
 WG_BARRIER = 1  # named barrier of the MMA warpgroup (0 is __syncthreads)
+PICK_BARRIER = 2  # the producer warp's pick is in shared memory (all THREADS)
+WEIGHTS_BARRIER = 3  # the producer warp's routing weights are (all THREADS)
 
 
 class MegaMoeSm90(mgc.MegaEntries):
@@ -180,50 +194,56 @@ class MegaMoeSm90(mgc.MegaEntries):
         # clusters land (docs/notes/mega-sm90.md, "Early launch of the next call").
         dsize = 2 if self.logits_bf16 else 4
         row_logits = logits + Int64(token) * (self.experts * dsize)
+        pick = base + plan.offset("pick")
+        picked_weights = base + plan.offset("route_weights")
+        routed = True  # a route's cluster, not a token's shared expert
+        record = rank == 0  # a route's rank 0 stores its ids and weights
+        if cutlass.const_expr(plan.shared > 0):
+            routed = not is_shared
+            record = record & routed
+        first = min(self.stages, plan.loads)  # loads that wait on nothing
         if warp == PRODUCER_WARP:
+            # A route's first load waits on its expert (selection stopped at
+            # round k); a shared route needs no routing and reads only
+            # weights: its first stages stream before the previous grid ends.
             expert = Int32(0)
-            if cutlass.const_expr(plan.shared > 0):
-                # A shared route needs no routing and reads only weights: its
-                # stages stream before the previous grid ends.
-                if not is_shared:
-                    ptx.griddepcontrol_wait()
-                    # The first load waits on this: stop selecting after round k.
-                    expert = route_pick(row_logits, bias, lane, k, self.experts, self.top_k,
-                                        self.logits_bf16, self.routing)  # fmt: skip
-            else:
+            if routed:
                 ptx.griddepcontrol_wait()
                 expert = route_pick(row_logits, bias, lane, k, self.experts, self.top_k,
                                     self.logits_bf16, self.routing)  # fmt: skip
             if lane == 0:
-                self.produce(base, full, empty, map1, map2, expert, rank)
+                ptx.st_shared_u32(pick, Uint32(expert))
+            ptx.bar_arrive(PICK_BARRIER, THREADS)
+            if lane == 0:
+                self.produce(base, full, empty, map1, map2, expert, rank, 0, first)
+            # The whole routing, while those stages stream: every lane's
+            # weight for the finalize (a shared cluster's too: whichever of a
+            # token's clusters arrives last sums its routes), and rank 0 of a
+            # route's cluster records ids and weights.
+            if not routed:
+                ptx.griddepcontrol_wait()
+            _, weight = mgc.route_and_record(plan, row_logits, bias, lane, k, route, ids,
+                                             weights, record, self.scale,
+                                             self.logits_bf16, self.routing)  # fmt: skip
+            if lane < self.top_k:
+                ptx.st_shared_f32(picked_weights + lane * 4, weight)
+            ptx.bar_arrive(WEIGHTS_BARRIER, THREADS)
+            if lane == 0:
+                self.produce(base, full, empty, map1, map2, expert, rank, first, plan.loads)
+                if cutlass.const_expr(plan.loads <= self.stages):
+                    ptx.cluster_wait_divergent()  # no load waited on a free stage
             else:
                 ptx.cluster_wait_divergent()  # before any wait on a peer (module docstring)
         else:
             if cutlass.const_expr(plan.entry_cluster_wait):
                 ptx.cluster_wait()  # else before GEMM1 ("Cluster waits")
             ptx.griddepcontrol_wait()
-            # A shared cluster routes too (no record): the finalize needs the
-            # token's weights in whichever cluster arrives last.
-            record = (rank == 0) & (warp == 0)
-            expert = Int32(0)
-            weight = Float32(0.0)
-            if cutlass.const_expr(plan.shared > 0):
-                if is_shared:
-                    _, weight = mgc.route_and_record(plan, row_logits, bias, lane, k, route, ids,
-                                                     weights, False, self.scale,
-                                                     self.logits_bf16, self.routing)  # fmt: skip
-                else:
-                    expert, weight = mgc.route_and_record(plan, row_logits, bias, lane, k, route,
-                                                          ids, weights, record, self.scale,
-                                                          self.logits_bf16, self.routing)  # fmt: skip
-            else:
-                expert, weight = mgc.route_and_record(plan, row_logits, bias, lane, k, route, ids,
-                                                      weights, record, self.scale,
-                                                      self.logits_bf16, self.routing)  # fmt: skip
             self.consume(
-                base, full, empty, gate_in, hrecv, pair, tid, lane, rank, token, expert,
+                base, full, empty, gate_in, hrecv, pair, tid, lane, rank, token, pick,
                 scale1, scale2, x, rows1, rows2, row,
             )  # fmt: skip
+            ptx.bar_sync(WEIGHTS_BARRIER, THREADS)
+            weight = ptx.ld_shared_f32(picked_weights + cutlass.min(lane, self.top_k - 1) * 4)
             mgc.finish_slice(plan, base, tid, token, rank, weight, out, shared_out, final,
                              arrivals, WG_BARRIER)  # fmt: skip
 
@@ -252,12 +272,15 @@ class MegaMoeSm90(mgc.MegaEntries):
         ptx.fence_mbarrier_init()
 
     @cute.jit
-    def produce(self, base, full, empty, map1, map2, expert, rank):
-        """TMA producer (one lane): the CTA's GEMM1 stages (its row tile, its K
-        part's blocks in order), then its GEMM2 stages (row tile t, K block kb)."""
+    def produce(self, base, full, empty, map1, map2, expert, rank,
+                start: cutlass.Constexpr[int], stop: cutlass.Constexpr[int]):  # fmt: skip
+        """TMA producer (one lane): the CTA's loads ``start .. stop - 1`` in
+        its stream, the GEMM1 stages (its row tile, its K part's blocks in
+        order), then the GEMM2 stages (row tile t, K block kb), with the
+        cluster wait before the first wait on a free stage."""
         plan, stages = self.plan, self.stages
         policy = ptx.create_policy_evict_first()
-        for n in cutlass.range_constexpr(plan.loads):
+        for n in cutlass.range_constexpr(start, stop):
             slot = n % stages
             if cutlass.const_expr(n == stages):
                 ptx.cluster_wait_divergent()  # before any wait on the MMA warps
@@ -273,17 +296,16 @@ class MegaMoeSm90(mgc.MegaEntries):
             else:
                 first, block = mp.gemm2_box(plan, rank, n - plan.blocks1, expert, cutlass.min)
                 ptx.tma_load_3d_hint(dst, map2, full + 8 * slot, 0, first, block, policy)
-        if cutlass.const_expr(plan.loads <= stages):
-            ptx.cluster_wait_divergent()
 
     @cute.jit
-    def consume(self, base, full, empty, gate_in, hrecv, pair, tid, lane, rank, token, expert,
+    def consume(self, base, full, empty, gate_in, hrecv, pair, tid, lane, rank, token, pick,
                 w13_scale, w2_scale, x, rows1, rows2, out_row):  # fmt: skip
         """The MMA warpgroup: quantize the token's K part, GEMM1, the DSMEM
         exchange (K parts' row sums to part 0, gate values to the up CTA,
         hidden broadcast), GEMM2 and the output row at ``out_row`` (all
-        global operands are byte addresses; the scales are the expert set's:
-        ``expert`` indexes them)."""
+        global operands are byte addresses; the scales are the expert set's,
+        indexed by the expert the producer warp leaves at shared ``pick``
+        after ``PICK_BARRIER``: 0 for a shared route)."""
         plan = self.plan
         stages, nk1, nk2, tiles2 = self.stages, self.nk1, self.nk2, self.tiles2
         blocks1 = plan.blocks1  # this CTA's GEMM1 K blocks (its K part)
@@ -329,6 +351,8 @@ class MegaMoeSm90(mgc.MegaEntries):
         # K blocks 0..7 into B tiles 0..7.
         if tid < 8 * mp.B1_ROTATING:
             self.fill_b1(b1, tid // 8, chunk, codes, 0)
+        ptx.bar_sync(PICK_BARRIER, THREADS)
+        expert = Int32(ptx.ld_shared_u32(pick))
 
         # Epilogue inputs, loaded while the first stages stream in. Column c of
         # accumulator set s is K block 8 s + c; this thread holds c = 2q, 2q+1.

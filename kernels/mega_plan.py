@@ -339,14 +339,14 @@ class MegaPlan:
     @property
     def entry_cluster_wait(self) -> bool:
         """sm_90a: whether the MMA warpgroup waits on the cluster barrier at
-        entry, before the PDL wait and the routing, rather than just before
-        GEMM1 (after the token's quantization and the scale loads). Where the
-        variant runs 2 or more CTAs per SM (rings of 6 or 3 stages): on the
-        H200 the wait before GEMM1 cost GLM-5.3 0.4-0.7 us a call at M = 2..4
-        that the entry wait does not, while at 1 CTA per SM (10 stages) the
-        entry wait read 0.1-0.3 us slower, about what two identical builds
-        read apart (``docs/notes/mega-sm90.md``, "The MMA warps' cluster wait
-        at entry")."""
+        entry, before the PDL wait, rather than just before GEMM1 (after the
+        token's quantization, the producer warp's pick and the scale loads).
+        Where the variant runs 2 or more CTAs per SM (rings of 6 or 3
+        stages): on the H200 the wait before GEMM1 cost GLM-5.3 0.4-0.7 us a
+        call at M = 2..4 that the entry wait does not, while at 1 CTA per SM
+        (10 stages) the entry wait read 0.1-0.3 us slower, about what two
+        identical builds read apart (``docs/notes/mega-sm90.md``, "The MMA
+        warps' cluster wait at entry")."""
         return self.ctas_per_sm > 1
 
     # Shared memory -------------------------------------------------------------------
@@ -396,6 +396,9 @@ class MegaPlan:
         r.take("hscale", 4 * self.nk2, 4)  # every hidden block's scale
         r.take("xscale", 4 * self.blocks1, 4)  # the token's activation scales
         r.take("flag", 4, 4)  # the finalize's "this CTA arrived last" word
+        if self.arch == "sm_90a":
+            r.take("pick", 4, 4)  # the route's expert, from the producer warp
+            r.take("route_weights", 4 * self.top_k, 4)  # route k's weight at k
         r.take("bar", 8 * self._bars(stages), 8)
         if self.arch == "sm_100a":
             r.take("tmem", 16, 8)  # the TMEM allocation's address

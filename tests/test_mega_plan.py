@@ -293,6 +293,23 @@ def test_ring_depth_holds_every_cluster_at_its_ctas_per_sm():
     assert plan("sm_90a", tokens=4).ctas_per_sm == 1
 
 
+def test_sm90_hands_the_producer_warps_routing_over_in_shared_memory():
+    """sm_90a: the producer warp routes (its pick for the loads and the block
+    scales, then every route's weight for the finalize) and leaves both in
+    shared memory for the MMA warps: one u32 and top_k FP32 words, inside the
+    layout and apart from every other region; sm_100a has neither."""
+    for shape in SHAPES["sm_90a"]:
+        for top_k in (1, 8, mp.MAX_TOP_K):
+            p = plan("sm_90a", tokens=2, sms=132, **{**shape, "top_k": top_k})
+            sizes, offsets = p.regions.sizes, p.regions.offsets
+            assert sizes["pick"] == 4 and sizes["route_weights"] == 4 * top_k
+            spans = sorted((offsets[n], offsets[n] + sizes[n]) for n in sizes)
+            assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+            assert spans[-1][1] <= p.smem
+    for shape in SHAPES["sm_100a"]:
+        assert "pick" not in plan("sm_100a", **shape).regions.sizes
+
+
 def test_mma_warps_wait_on_the_cluster_at_entry_only_where_ctas_share_an_sm():
     """sm_90a: the MMA warpgroup's cluster wait moves from just before GEMM1
     to the kernel's entry where the variant runs 2 or more CTAs per SM (its
