@@ -125,6 +125,12 @@ def test_launch_records_match_the_mega_abi(built):
         assert all(body.index(load) > wait for load in ("ld.global.nc", "cp.async.bulk.tensor"))
         # No early launch of the next grid (docs/notes/mega-sm90.md).
         assert "griddepcontrol.launch_dependents" not in body
+        # The producer warp hands its pick, then its routing weights, to the
+        # MMA warps: one arrive (32 threads) and one sync (128) of all 160
+        # threads on each of named barriers 2 and 3.
+        for barrier in (2, 3):
+            arrive, sync = f"bar.arrive {barrier}, {THREADS};", f"bar.sync {barrier}, {THREADS};"
+            assert body.count(arrive) == 1 and body.count(sync) == 1, barrier
 
 
 #: Other models' shards (docs/models.md): an uneven GEMM2 split over a
