@@ -29,11 +29,13 @@ Warp roles (160 threads):
     cluster needs none and starts before ``griddepcontrol.wait``) and
     leaves it in shared ``pick``; lane 0 issues the loads that wait on no
     free stage (the first ``stages``, TMA: ``mega_plan.gemm1_box``, then
-    ``gemm2_box``); then the whole warp routes the token in full
-    (``mega_common.route_and_record``: lane j's weight of route j into
-    shared ``route_weights``; rank 0 of a route's cluster records ids and
-    weights), and lane 0 streams the remaining stages while the other lanes
-    wait on the cluster barrier. So neither the MMA warps' start nor the
+    ``gemm2_box``); then the whole warp waits on the previous grid (again,
+    on every path: a wait in the route's branch does not order the loads
+    after the branches meet, ``kernels/ptx/memory.py``) and routes the
+    token in full (``mega_common.route_and_record``: lane j's weight of
+    route j into shared ``route_weights``; rank 0 of a route's cluster
+    records ids and weights), and lane 0 streams the remaining stages while
+    the other lanes wait on the cluster barrier. So neither the MMA warps' start nor the
     first loads wait on more than the pick.
 
 Rings and barriers (arrive counts):
@@ -219,9 +221,11 @@ class MegaMoeSm90(mgc.MegaEntries):
             # The whole routing, while those stages stream: every lane's
             # weight for the finalize (a shared cluster's too: whichever of a
             # token's clusters arrives last sums its routes), and rank 0 of a
-            # route's cluster records ids and weights.
-            if not routed:
-                ptx.griddepcontrol_wait()
+            # route's cluster records ids and weights. The wait again, on every
+            # path (a route's is already satisfied): the logits' coherent loads
+            # stay after a wait that dominates them (a shared cluster's
+            # producer has not waited yet).
+            ptx.griddepcontrol_wait()
             _, weight = mgc.route_and_record(plan, row_logits, bias, lane, k, route, ids,
                                              weights, record, self.scale,
                                              self.logits_bf16, self.routing)  # fmt: skip

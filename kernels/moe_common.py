@@ -102,11 +102,11 @@ def _route_keys(logits, bias, lane, experts: cutlass.Constexpr[int],
     for j in cutlass.range_constexpr(per):
         expert = Int64(j * 32 + lane)
         if cutlass.const_expr(logits_bf16):
-            scores[j] = ptx.bf16_low(ptx.ld_global_nc_u16(logits + expert * 2))
+            scores[j] = ptx.bf16_low(ptx.ld_global_u16(logits + expert * 2))
         else:
-            scores[j] = ptx.ld_global_nc_f32(logits + expert * 4)
+            scores[j] = ptx.ld_global_f32(logits + expert * 4)
         if cutlass.const_expr(routing.bias):
-            offsets[j] = ptx.ld_global_nc_f32(bias + expert * 4)
+            offsets[j] = ptx.ld_global_f32(bias + expert * 4)
     if cutlass.const_expr(routing.score == "softmax"):
         top = scores[0]
         for j in cutlass.range_constexpr(1, per):
@@ -260,11 +260,12 @@ def route_token(
     heads and min expert among the lanes holding it); ``weight_k = s_k /
     sum_j s_j * scale`` (sum in selection order), or ``s_k * scale`` without
     ``routing.renormalize``. Lane l holds experts l + 32 j, so ``experts``
-    must be a multiple of 32. Issue it after a ``griddepcontrol.wait`` on the
-    same path, one no branch goes around (it reads inputs with
-    ``ld.global.nc``, which ptxas moves across a wait: behind a wait in a
-    branch it placed them where the branches meet, before the wait on the
-    other path; the compile tests walk each build's SASS for that,
+    must be a multiple of 32. Issue it after a ``griddepcontrol.wait`` that
+    no branch goes around: the logits and the bias are read with weak
+    coherent loads, which ptxas keeps after such a wait (``ld.global.nc``
+    it moved across one, even an unconditional one; ``kernels/ptx/memory.py``),
+    but a wait in a branch does not dominate the loads where the branches
+    meet (the compile tests walk each build's SASS control flow for that,
     ``tests/sass_tools.py``)."""
     scores, keys = _route_keys(logits, bias, lane, experts, logits_bf16, routing)
     ks, es = _sort_candidates(keys, lane)
@@ -321,8 +322,8 @@ def quantize_activations(values, lanes: cutlass.Constexpr[int], ue8m0: cutlass.C
 
 def load_bf16x8(addr: Int64, values, first: int) -> None:
     """Eight BF16 at 16-byte aligned ``addr`` into ``values[first:first + 8]``
-    as FP32 (one ``ld.global.nc.v4``)."""
-    words = ptx.ld_global_nc_v4_u32(addr)
+    as FP32 (one weak ``ld.global.v4``: x may come from the previous grid)."""
+    words = ptx.ld_global_v4_u32(addr)
     for w in range(4):
         values[first + 2 * w] = ptx.bf16_low(words[w])
         values[first + 2 * w + 1] = ptx.bf16_high(words[w])

@@ -123,14 +123,17 @@ def count(counts: dict[str, int], prefix: str) -> int:
 
 
 def loads_before_pdl_wait(tool: str, cubin: Path) -> list[str]:
-    """The global loads (``LDG``, ``LDGSTS``, generic ``LD``) of ``cubin``'s kernel that
-    some path from its entry reaches without passing a ``griddepcontrol.wait``
-    (SASS ``ACQBULK``): a load of an input the previous grid writes must come
-    after the wait on every path (ptxas moves ``ld.global.nc`` loads freely,
-    across the wait too). Walks the SASS control flow: an unpredicated
-    ``BRA`` jumps, a predicated one or ``BRA.DIV`` may also fall through, an
-    unpredicated ``EXIT`` ends a path, a ``CALL`` goes to its target and on
-    (its ``RET`` ends the callee's path); indirect jumps fail the walk."""
+    """The global loads (``LDG``, ``LDGSTS``, generic ``LD``) of ``cubin``'s
+    kernel that some path from its entry reaches without passing a
+    ``griddepcontrol.wait`` (SASS ``ACQBULK``): a load of an input the
+    previous grid writes must come after the wait on every path. ptxas moves
+    ``ld.global.nc`` loads freely, across the wait too; weak loads it keeps
+    after a wait that dominates them. The walk sees no predicate, so a wait in
+    a branch does not count for the code after the branches meet. It follows
+    the SASS control flow: an unpredicated ``BRA`` jumps, a predicated one or
+    ``BRA.DIV`` may also fall through, an unpredicated ``EXIT`` ends a path, a
+    ``CALL`` goes to its target and on (its ``RET`` ends the callee's path);
+    indirect jumps fail the walk."""
     return unwaited_loads(dump_sass(tool, cubin))
 
 

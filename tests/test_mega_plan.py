@@ -304,7 +304,7 @@ def test_sm90_hands_the_producer_warps_routing_over_in_shared_memory():
             sizes, offsets = p.regions.sizes, p.regions.offsets
             assert sizes["pick"] == 4 and sizes["route_weights"] == 4 * top_k
             spans = sorted((offsets[n], offsets[n] + sizes[n]) for n in sizes)
-            assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+            assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
             assert spans[-1][1] <= p.smem
     for shape in SHAPES["sm_100a"]:
         assert "pick" not in plan("sm_100a", **shape).regions.sizes

@@ -1,9 +1,18 @@
 """Loads, stores and atomics. Global addresses are ``Int64`` byte addresses
 (``tensor.iterator.toint()`` plus an offset), shared addresses ``Int32``.
 
-The plain global loads use ``.nc`` where the data is read-only for the whole
-kernel (inputs read after ``griddepcontrol.wait``); ordered accesses state
-their semantics and scope in the name.
+Which global load an input takes:
+  * ``.nc`` only for parameters no grid writes while calls run (block
+    scales, row tables): ptxas takes an ``ld.global.nc`` as reading memory
+    that is constant for the kernel's whole life and moves it freely, across
+    ``griddepcontrol.wait`` too, even an unconditional one in the same block
+    (``docs/notes/mega-sm90.md``, "Coherent loads for the previous grid's
+    outputs");
+  * weak (coherent) ``ld.global`` for what a previous grid may write (x, the
+    router logits; the routing bias beside them): ptxas keeps these after a
+    ``griddepcontrol.wait`` that dominates them;
+  * ``.cg`` or acquire for what other CTAs of this grid write.
+Ordered accesses state their semantics and scope in the name.
 """
 
 from __future__ import annotations
@@ -13,7 +22,7 @@ from cutlass.cutlass_dsl import dsl_user_op
 
 from ._asm import asm
 
-# -- global, read-only inputs ---------------------------------------------------------------
+# -- global, parameters (constant while calls run) ----------------------------------------
 
 
 @dsl_user_op
@@ -28,26 +37,26 @@ def ld_global_nc_f32(addr: Int64, *, loc=None, ip=None) -> Float32:
     return asm("ld.global.nc.f32 $0, [$1];", "f", "l", (addr,), memory=True, loc=loc, ip=ip)
 
 
-@dsl_user_op
-def ld_global_nc_u16(addr: Int64, *, loc=None, ip=None) -> Uint32:
-    """``ld.global.nc.u16``, zero-extended (a BF16 in the low half)."""
-    return asm("ld.global.nc.u16 $0, [$1];", "u", "l", (addr,), memory=True, loc=loc, ip=ip)
-
-
-@dsl_user_op
-def ld_global_nc_v4_u32(addr: Int64, *, loc=None, ip=None) -> tuple:
-    """``ld.global.nc.v4.b32`` (16-byte aligned): four words."""
-    return asm("ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];", "uuuu", "l", (addr,),
-               memory=True, loc=loc, ip=ip)  # fmt: skip
-
-
-# -- global, plain and ordered -------------------------------------------------------------
+# -- global, the previous grid's outputs (weak), and ordered ------------------------------
 
 
 @dsl_user_op
 def ld_global_f32(addr: Int64, *, loc=None, ip=None) -> Float32:
     """``ld.global.f32`` (weak)."""
     return asm("ld.global.f32 $0, [$1];", "f", "l", (addr,), memory=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def ld_global_u16(addr: Int64, *, loc=None, ip=None) -> Uint32:
+    """``ld.global.u16`` (weak), zero-extended (a BF16 in the low half)."""
+    return asm("ld.global.u16 $0, [$1];", "u", "l", (addr,), memory=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def ld_global_v4_u32(addr: Int64, *, loc=None, ip=None) -> tuple:
+    """``ld.global.v4.b32`` (weak; 16-byte aligned): four words."""
+    return asm("ld.global.v4.b32 {$0, $1, $2, $3}, [$4];", "uuuu", "l", (addr,),
+               memory=True, loc=loc, ip=ip)  # fmt: skip
 
 
 @dsl_user_op
@@ -141,7 +150,7 @@ def cp_async_cg_16(dst: Int32, src: Int64, *, loc=None, ip=None) -> None:
         loc=loc, ip=ip)  # fmt: skip
 
 
-# -- shared --------------------------------------------------------------------------------
+# -- shared -------------------------------------------------------------------------------
 
 
 @dsl_user_op
