@@ -29,14 +29,15 @@ Warp roles (160 threads):
     cluster needs none and starts before ``griddepcontrol.wait``) and
     leaves it in shared ``pick``; lane 0 issues the loads that wait on no
     free stage (the first ``stages``, TMA: ``mega_plan.gemm1_box``, then
-    ``gemm2_box``); then the whole warp waits on the previous grid (again,
-    on every path: a wait in the route's branch does not order the loads
-    after the branches meet, ``kernels/ptx/memory.py``) and routes the
+    ``gemm2_box``); then the whole warp waits on the previous grid again,
+    on every path (a wait in the route's branch does not order the loads
+    after the branches meet: ``moe_common.route_token``), and routes the
     token in full (``mega_common.route_and_record``: lane j's weight of
     route j into shared ``route_weights``; rank 0 of a route's cluster
-    records ids and weights), and lane 0 streams the remaining stages while
-    the other lanes wait on the cluster barrier. So neither the MMA warps' start nor the
-    first loads wait on more than the pick.
+    records ids and weights); lane 0 then streams the remaining stages,
+    the other lanes wait on the cluster barrier. So the first loads wait on
+    the pick only, and the MMA warps, after the PDL wait and the token's
+    quantization, on the pick, not on the whole routing.
 
 Rings and barriers (arrive counts):
   * ``full[s]``: 1 (the producer's expect_tx) + the TMA bytes of one box;
@@ -52,9 +53,10 @@ Rings and barriers (arrive counts):
   * the cluster barrier: arrived (relaxed) by every thread after barrier
     init and B-tile zeroing; waited by the MMA warps at entry, before the
     PDL wait, where the plan runs 2 or more CTAs per SM, else just before
-    GEMM1 (``mega_plan.MegaPlan.entry_cluster_wait``), and by the producer
-    lane before its first wait on a free stage, so every wait on a peer's
-    DSMEM writes comes after every peer's barriers exist;
+    GEMM1 (``mega_plan.MegaPlan.entry_cluster_wait``), by the producer's
+    lane 0 before its first wait on a free stage, and by its other lanes
+    after the full routing, so every wait on a peer's DSMEM writes comes
+    after every peer's barriers exist;
   * named barrier 1: the MMA warpgroup (B-tile refills, the hidden block,
     the finalize's arrival);
   * named barriers 2 (``PICK_BARRIER``) and 3 (``WEIGHTS_BARRIER``), 160
@@ -222,7 +224,7 @@ class MegaMoeSm90(mgc.MegaEntries):
             # weight for the finalize (a shared cluster's too: whichever of a
             # token's clusters arrives last sums its routes), and rank 0 of a
             # route's cluster records ids and weights. The wait again, on every
-            # path (a route's is already satisfied): the logits' coherent loads
+            # path (a route's is already satisfied): the logits' weak loads
             # stay after a wait that dominates them (a shared cluster's
             # producer has not waited yet).
             ptx.griddepcontrol_wait()
@@ -280,8 +282,10 @@ class MegaMoeSm90(mgc.MegaEntries):
                 start: cutlass.Constexpr[int], stop: cutlass.Constexpr[int]):  # fmt: skip
         """TMA producer (one lane): the CTA's loads ``start .. stop - 1`` in
         its stream, the GEMM1 stages (its row tile, its K part's blocks in
-        order), then the GEMM2 stages (row tile t, K block kb), with the
-        cluster wait before the first wait on a free stage."""
+        order), then the GEMM2 stages (row tile t, K block kb); the call
+        whose range holds load ``stages`` waits on the cluster barrier
+        before it, the first wait on a free stage (where no load waits on
+        one, ``body`` waits after the last call)."""
         plan, stages = self.plan, self.stages
         policy = ptx.create_policy_evict_first()
         for n in cutlass.range_constexpr(start, stop):

@@ -262,10 +262,10 @@ def route_token(
     ``routing.renormalize``. Lane l holds experts l + 32 j, so ``experts``
     must be a multiple of 32. Issue it after a ``griddepcontrol.wait`` that
     no branch goes around: the logits and the bias are read with weak
-    coherent loads, which ptxas keeps after such a wait (``ld.global.nc``
-    it moved across one, even an unconditional one; ``kernels/ptx/memory.py``),
-    but a wait in a branch does not dominate the loads where the branches
-    meet (the compile tests walk each build's SASS control flow for that,
+    loads, which ptxas keeps after such a wait (``ld.global.nc`` it moved
+    across one, even an unconditional one; ``kernels/ptx/memory.py``), but
+    a wait in a branch does not dominate the loads where the branches meet
+    (the compile tests walk each build's SASS control flow for that,
     ``tests/sass_tools.py``)."""
     scores, keys = _route_keys(logits, bias, lane, experts, logits_bf16, routing)
     ks, es = _sort_candidates(keys, lane)

@@ -3,14 +3,16 @@
 
 Which global load an input takes:
   * ``.nc`` only for parameters no grid writes while calls run (block
-    scales, row tables): ptxas takes an ``ld.global.nc`` as reading memory
-    that is constant for the kernel's whole life and moves it freely, across
-    ``griddepcontrol.wait`` too, even an unconditional one in the same block
-    (``docs/notes/mega-sm90.md``, "Coherent loads for the previous grid's
+    scales, row tables): ``.nc`` promises data read-only for the kernel's
+    whole life, and ptxas acts on it, moving such loads across
+    ``griddepcontrol.wait``, even an unconditional one in the same block
+    (``docs/notes/mega-sm90.md``, "Weak loads for the previous grid's
     outputs");
-  * weak (coherent) ``ld.global`` for what a previous grid may write (x, the
-    router logits; the routing bias beside them): ptxas keeps these after a
-    ``griddepcontrol.wait`` that dominates them;
+  * weak ``ld.global`` for what a previous grid may write while this one
+    has started (x, the router logits; the routing bias beside them): the
+    wait makes that grid's writes visible to the loads it orders, and
+    ptxas keeps a weak load after a wait that dominates it (a wait in one
+    branch does not, for the code after the branches meet);
   * ``.cg`` or acquire for what other CTAs of this grid write.
 Ordered accesses state their semantics and scope in the name.
 """
