@@ -1,5 +1,5 @@
-"""Group-limited expert selection and the warp's top-k merge, written once
-for the device and the host (pure Python: no cutlass, no torch).
+"""Group-limited expert selection, written once for the device and the host
+(pure Python: no cutlass, no torch).
 
 A model with expert groups (DeepSeek-V3's ``noaux_tc``) keeps, per token, the
 ``groups_kept`` groups of ``E / groups`` consecutive experts with the largest
@@ -14,9 +14,9 @@ The routing warp holds expert ``32 j + lane`` as candidate ``j`` of lane
 * device (``kernels.moe_common``): values are the DSL's per-lane registers,
   ``ops.select`` is ``cutlass.select_``, ``ops.redux_max``/``redux_min`` are
   ``redux.sync`` over the warp, ``ops.key_value`` inverts
-  ``float_order_key``, ``ops.shuffle_xor`` is ``shfl.sync.bfly``;
+  ``float_order_key``;
 * host (the CPU tests): values are vectors of the 32 lanes, the reductions
-  broadcast the warp's result to every lane, the shuffle permutes lanes.
+  broadcast the warp's result to every lane.
 
 Only arithmetic, comparisons and those operations appear; Python branches
 only on values fixed at compile time (shapes and candidate indices), so the
@@ -113,61 +113,3 @@ def keep_groups(keys, lane, experts: int, groups: int, kept: int, masked: int, o
     every candidate outside the token's ``kept`` best groups ``masked``."""
     totals = group_totals(keys, lane, experts, groups, ops)
     return mask_dropped(keys, lane, experts, groups, kept_groups(totals, kept, ops), masked, ops)
-
-
-#: The expert of a padding entry in ``warp_best``'s lists (with key 0): it
-#: ranks below every real candidate, a key-0 one too.
-NO_EXPERT = 0xFFFFFFFF
-
-
-def _ahead(ka, ea, kb, eb):
-    """Whether candidate (key ``ka``, expert ``ea``) ranks before (``kb``,
-    ``eb``): the larger key, ties to the lower expert (a strict total order
-    on distinct experts)."""
-    return (ka > kb) | ((ka == kb) & (ea < eb))
-
-
-def _exchange(ks: list, es: list, i: int, j: int, ops) -> None:
-    """Compare-exchange of entries ``i`` < ``j``: the one ranking first at ``i``."""
-    swap = _ahead(ks[j], es[j], ks[i], es[i])
-    ks[i], ks[j] = ops.select(swap, ks[j], ks[i]), ops.select(swap, ks[i], ks[j])
-    es[i], es[j] = ops.select(swap, es[j], es[i]), ops.select(swap, es[i], es[j])
-
-
-def warp_best(ks: list, es: list, width: int, ops) -> tuple[list, list]:
-    """The warp's ``width`` best candidates, best first, the same lists in
-    every lane: ``(keys, experts)``.
-
-    ``ks``, ``es``: the lane's candidates' order keys and experts, sorted
-    best first (``_ahead``'s order); ``width`` a power of two. Each lane
-    keeps its ``width`` best (padded with key 0, ``NO_EXPERT``), then five
-    butterfly rounds (``ops.shuffle_xor`` at offsets 1, 2, 4, 8, 16) merge
-    it with the partner lane's list: the better of entry i and the
-    partner's entry ``width - 1 - i`` gives the pair's ``width`` best as a
-    bitonic sequence, which ``log2(width)`` rounds of compare-exchanges
-    (Batcher's bitonic merge) sort. Both partners compute the same list, so
-    after the fifth round every lane holds the warp's. No data-dependent
-    branch; ``width * (2 * 5)`` shuffles, ``5 * width * (1 + log2(width) / 2)``
-    comparisons (a selection round per route instead waits on two warp
-    reductions in turn)."""
-    if width & (width - 1):
-        raise ValueError(f"width {width}: must be a power of two")
-    keys = [ks[j] for j in range(min(width, len(ks)))]
-    experts = [es[j] for j in range(min(width, len(es)))]
-    keys += [ops.uint32(0)] * (width - len(keys))
-    experts += [ops.uint32(NO_EXPERT)] * (width - len(experts))
-    for offset in (1, 2, 4, 8, 16):
-        other_k = [ops.shuffle_xor(k, offset) for k in keys]
-        other_e = [ops.shuffle_xor(e, offset) for e in experts]
-        for i in range(width):
-            j = width - 1 - i
-            take = _ahead(other_k[j], other_e[j], keys[i], experts[i])
-            keys[i] = ops.select(take, other_k[j], keys[i])
-            experts[i] = ops.select(take, other_e[j], experts[i])
-        stride = width // 2
-        while stride:
-            for i in range(width):
-                if not i & stride:
-                    _exchange(keys, experts, i, i + stride, ops)
-            stride //= 2
-    return keys, experts

@@ -1,6 +1,5 @@
-"""The device's selection (kernels/routing.py: the group stage and the
-warp's top-k merge), run on the CPU over a simulated warp, against the torch
-reference's selection keys and a plain sort."""
+"""The device's group-limited selection (kernels/routing.py), run on the CPU
+over a simulated warp, against the torch reference's selection keys."""
 
 from __future__ import annotations
 
@@ -43,10 +42,6 @@ class HostWarp:
     @staticmethod
     def key_value(key):
         return from_key(key)
-
-    @staticmethod
-    def shuffle_xor(v, offset):
-        return v[torch.arange(LANES) ^ offset].clone()
 
 
 def order_key(values: torch.Tensor) -> torch.Tensor:
@@ -139,72 +134,3 @@ def test_all_groups_tied_keeps_the_lowest():
     allowed = device_allowed(keys, 8, 3)
     assert torch.equal(allowed, torch.arange(256) < 96)
     assert torch.equal(allowed, reference_allowed(keys, 8, 3))
-
-
-def lane_lists(keys: torch.Tensor) -> tuple[list, list]:
-    """Each lane's candidates (expert 32 j + lane, key ``keys[expert]``,
-    int64 holding uint32) sorted best first (larger key, ties to the lower
-    expert), as the device's ``_sort_candidates`` leaves them: position j's
-    keys and experts over the lanes."""
-    per = keys.numel() // LANES
-    grid = keys.view(per, LANES)  # [j, lane]
-    experts = torch.arange(keys.numel()).view(per, LANES)
-    # Lexicographic (key desc, expert asc): expert < 2**9, keys < 2**32.
-    order = torch.argsort(-(grid * 1024 - experts), dim=0, stable=True)
-    ks, es = torch.gather(grid, 0, order), torch.gather(experts, 0, order)
-    return [ks[j] for j in range(per)], [es[j] for j in range(per)]
-
-
-def best_by_sort(keys: torch.Tensor, width: int) -> list[int]:
-    """The ``width`` best experts of one token by a plain sort (larger key,
-    ties to the lower expert), padded with ``routing.NO_EXPERT``."""
-    experts = torch.arange(keys.numel())
-    order = torch.argsort(-(keys * 1024 - experts), stable=True)
-    got = order[:width].tolist()
-    return got + [routing.NO_EXPERT] * (width - len(got))
-
-
-def device_best(keys: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``routing.warp_best`` over the simulated warp: ([width, lanes] keys,
-    [width, lanes] experts)."""
-    ks, es = lane_lists(keys)
-    bk, be = routing.warp_best(ks, es, width, HostWarp)
-    return torch.stack(bk), torch.stack(be)
-
-
-@pytest.mark.parametrize("experts", [32, 64, 128, 160, 256, 288, 384])
-@pytest.mark.parametrize("width", [1, 2, 4, 8, 16])
-def test_warp_best_is_the_sorted_top_in_every_lane(experts, width):
-    """Random keys, many of them tied (drawn from a few values), and every
-    lane ends with the same list: the sorted top ``width``."""
-    gen = seeding.generator()
-    for draw in range(25):
-        if draw % 2:
-            keys = torch.randint(0, 2**32, (experts,), generator=gen, dtype=torch.int64)
-        else:  # few distinct keys: ties decided by the expert
-            keys = torch.randint(0x80000000, 0x80000006, (experts,), generator=gen,
-                                 dtype=torch.int64)  # fmt: skip
-        bk, be = device_best(keys, width)
-        want = best_by_sort(keys, width)
-        assert torch.equal(be, torch.tensor(want)[:, None].expand(width, LANES)), draw
-        real = [e for e in want if e != routing.NO_EXPERT]
-        assert torch.equal(bk[: len(real), 0], keys[real])
-
-
-def test_warp_best_hand_computed():
-    keys = torch.full((64,), 0x80000000, dtype=torch.int64)
-    keys[40], keys[9], keys[33] = 0x80000005, 0x80000005, 0x80000007
-    keys[63] = 0  # a real candidate with key 0 still ranks before padding
-    _, be = device_best(keys, 4)
-    assert be[:, 0].tolist() == [33, 9, 40, 0]
-    every = torch.zeros(64, dtype=torch.int64)
-    _, be = device_best(every, 8)  # all tied: the lowest experts, in order
-    assert be[:, 7].tolist() == list(range(8))
-    _, be = device_best(keys[:32], 64)  # fewer candidates than the width: padding last
-    assert be[:3, 0].tolist() == [9, 0, 1] and be[32:, 0].tolist() == [routing.NO_EXPERT] * 32
-
-
-def test_warp_best_refuses_a_width_not_a_power_of_two():
-    ks, es = lane_lists(torch.zeros(64, dtype=torch.int64))
-    with pytest.raises(ValueError, match="power of two"):
-        routing.warp_best(ks, es, 6, HostWarp)
