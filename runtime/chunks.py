@@ -61,7 +61,11 @@ def chunk_plan(m: int, buckets) -> list[tuple[int, int]]:
         raise ValueError(f"buckets: expected positive token counts, found {list(buckets)}")
     if isinstance(m, bool) or not isinstance(m, int) or m < 1:
         raise ValueError(f"m: expected a token count >= 1, found {m!r}")
-    largest = sizes[-1]
+    return _pieces(m, sizes[-1])
+
+
+def _pieces(m: int, largest: int) -> list[tuple[int, int]]:
+    """``chunk_plan`` of checked arguments (``largest`` the largest bucket)."""
     if m <= largest:
         return [(0, m)]
     full, rest = divmod(m, largest)
@@ -124,7 +128,10 @@ def run_chunked(layer, x, logits, bias, out: torch.Tensor | None = None) -> torc
     if out is not None:
         check_output(out, m, hidden, layer.device)
     sizes = served(layer, logits.dtype)
-    pieces = chunk_plan(m, sizes)
+    # served() gives the table's M values, positive ints in order: the plan
+    # without chunk_plan's argument checks (7 us a call over a 64-entry
+    # table, a third of a two-chunk call's host time: benchmarks/host_path.py).
+    pieces = _pieces(m, sizes[-1])
     if out is None:
         out = torch.empty(m, hidden, dtype=torch.bfloat16, device=layer.device)
     if getattr(layer, "poison", False):

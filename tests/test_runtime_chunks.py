@@ -177,7 +177,7 @@ def test_out_buffer_and_poison(weights, monkeypatch):
             InputError, match=r"out: expected a contiguous torch.bfloat16 \[150, 256\]"
         ):
             run_chunked(layer, x, logits, bias, out=bad)
-    monkeypatch.setattr(chunks, "chunk_plan", lambda m, b: [(0, 64), (64, 64)])  # drops 128..149
+    monkeypatch.setattr(chunks, "_pieces", lambda m, largest: [(0, 64), (64, 64)])  # drops 128..149
     got = run_chunked(layer, x, logits, bias)
     assert got[128:].isnan().all() and not got[:128].isnan().any()
 
