@@ -12,10 +12,13 @@ piece is partial, and it is the last.
 [M, H] output: a layer with ``launch_rows`` (``runtime.moe.MoELayer``) runs
 every full piece as one launch whose kernel reads the piece's rows of the
 caller's tensors and writes its rows of the output in place (no views, no
-copies, one host path for all of them); any other piece (the partial last
-one, or every piece of a layer without it) is one layer call on a row slice
-of the caller's tensors, its BF16 result copied into the output. Only device ops and layer calls, no host
-sync: it can be captured in a CUDA graph (one graph per M, as for the layer).
+copies, one host path for all of them), and the partial last piece so too
+where its rows are a bucket whose variant writes the output; any other
+piece (a partial one the layer pads, or every piece of a layer without
+``launch_rows``) is one layer call on a row slice of the caller's tensors,
+its BF16 result copied into the output. Only device ops and layer calls, no
+host sync: it can be captured in a CUDA graph (one graph per M, as for the
+layer).
 Every token's output depends on its own row only (routing and experts are per
 token), so chunked results equal unchunked ones row for row.
 
@@ -137,14 +140,18 @@ def run_chunked(layer, x, logits, bias, out: torch.Tensor | None = None) -> torc
     if getattr(layer, "poison", False):
         out.fill_(float("nan"))
     # The full pieces, straight into their rows of ``out`` where the layer can
-    # (``MoELayer.launch_rows``: no views, no copies); the rest, and every
-    # piece of a layer that cannot, one layer call each and a copy.
+    # (``MoELayer.launch_rows``: no views, no copies), and so the partial
+    # last one where a variant serves its rows at its own bucket and writes
+    # the output; the rest, and every piece of a layer that cannot, one
+    # layer call each and a copy.
     largest = sizes[-1]
     direct = getattr(layer, "launch_rows", None)
     full = [start for start, rows in pieces if rows == largest]
     if full and direct is not None and direct(x, logits, bias, out, full, largest):
         pieces = [(start, rows) for start, rows in pieces if rows != largest]
     for start, rows in pieces:
+        if rows != largest and direct is not None and direct(x, logits, bias, out, [start], rows):
+            continue
         out[start : start + rows].copy_(_call(layer, x, logits, bias, start, rows, sizes))
     return out
 
