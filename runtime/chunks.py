@@ -131,9 +131,9 @@ def run_chunked(layer, x, logits, bias, out: torch.Tensor | None = None) -> torc
     if out is not None:
         check_output(out, m, hidden, layer.device)
     sizes = served(layer, logits.dtype)
-    # served() gives the table's M values, positive ints in order: the plan
-    # without chunk_plan's argument checks (7 us a call over a 64-entry
-    # table, a third of a two-chunk call's host time: benchmarks/host_path.py).
+    # served() gives the table's M values, positive ints in order, so the
+    # plan skips chunk_plan's argument checks (their cost a call:
+    # docs/notes/host-path.md, "Chunked calls").
     pieces = _pieces(m, sizes[-1])
     if out is None:
         out = torch.empty(m, hidden, dtype=torch.bfloat16, device=layer.device)
