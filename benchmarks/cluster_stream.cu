@@ -15,7 +15,13 @@
 // launch's last CTA and the next one's first is in it.
 //
 //   nvcc -O2 -arch=sm_90a -o cluster_stream benchmarks/cluster_stream.cu
-//   ./cluster_stream G C S KiB [reps] [GRAPH]   # e.g. 9 8 10 768: GLM-5 at M = 1
+//   ./cluster_stream G C S KiB [reps] [GRAPH] [ALIAS] [SMEM_KIB]
+//     # e.g. 9 8 10 768: GLM-5 at M = 1
+//
+// ALIAS (default 0): clusters 0..ALIAS-1 all stream cluster 0's bytes (the
+// mega kernel's one shared-expert cluster per token at M = ALIAS). SMEM_KIB:
+// dynamic shared memory a CTA reserves (at least the ring), to hold the CTAs
+// per SM at a kernel's (e.g. 60 for 3 a SM).
 //
 // Results and what they showed: docs/notes/mega-sm90.md, "Cluster size and
 // GPC balance".
@@ -37,7 +43,8 @@ __device__ __forceinline__ uint32_t smid() {
 }
 
 extern "C" __global__ void stream(const uint8_t* src, size_t per_cta, int stages,
-                                  unsigned long long* stamps, int record) {
+                                  unsigned long long* stamps, int record, int csize,
+                                  int alias) {
   extern __shared__ __align__(1024) uint8_t smem[];
   __shared__ __align__(8) uint64_t bars[32];
   const int chunk = 16384;
@@ -53,7 +60,11 @@ extern "C" __global__ void stream(const uint8_t* src, size_t per_cta, int stages
   }
   __syncthreads();
   if (threadIdx.x == 0) {
-    const uint8_t* base = src + (size_t)blockIdx.x * per_cta;
+    // Clusters 0..alias-1 all read cluster 0's bytes (as the mega kernel's M
+    // shared-expert clusters read one expert's weights).
+    int cta = (int)blockIdx.x;
+    if (cta / csize < alias) cta %= csize;
+    const uint8_t* base = src + (size_t)cta * per_cta;
     int n = (int)(per_cta / chunk);
     for (int i = 0; i < n; ++i) {
       int slot = i % stages;
@@ -92,6 +103,8 @@ int main(int argc, char** argv) {
   size_t per = (size_t)atoi(argv[4]) * 1024;
   int reps = argc > 5 ? atoi(argv[5]) : 30;
   int graph = argc > 6 ? atoi(argv[6]) : 0;
+  int alias = argc > 7 ? atoi(argv[7]) : 0;
+  int smem_kib = argc > 8 ? atoi(argv[8]) : 0;
   int grid = G * C;
   size_t total = per * grid;
   size_t pool = ((size_t)4 << 30);  // 4 GiB: rotate so L2 holds nothing
@@ -100,7 +113,7 @@ int main(int argc, char** argv) {
   uint8_t* buf; CK(cudaMalloc(&buf, total * copies));
   CK(cudaMemset(buf, 1, total * copies));
   unsigned long long* stamps; CK(cudaMalloc(&stamps, grid * 4 * sizeof(unsigned long long)));
-  int smem = S * 16384;
+  int smem = std::max(S * 16384, smem_kib * 1024);
   CK(cudaFuncSetAttribute(stream, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   CK(cudaFuncSetAttribute(stream, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
   cudaLaunchConfig_t cfg = {};
@@ -118,7 +131,7 @@ int main(int argc, char** argv) {
     const uint8_t* src = buf + (size_t)(r % copies) * total;
     int rec = r == reps + 4;
     CK(cudaEventRecord(a, st));
-    CK(cudaLaunchKernelEx(&cfg, stream, src, per, S, stamps, rec));
+    CK(cudaLaunchKernelEx(&cfg, stream, src, per, S, stamps, rec, C, alias));
     CK(cudaEventRecord(b, st));
     CK(cudaEventSynchronize(b));
     float ms; CK(cudaEventElapsedTime(&ms, a, b));
@@ -135,8 +148,8 @@ int main(int argc, char** argv) {
   for (int i = 0; i < grid; ++i) ends[i / C] = std::max(ends[i / C], (h[i * 4 + 1] - t0) / 1e3);
   double last = *std::max_element(ends.begin(), ends.end());
   std::vector<double> se = ends; std::sort(se.begin(), se.end());
-  printf("RESULT G=%d C=%d S=%d KiB=%zu grid=%d resident_clusters=%d MB=%.1f median_us=%.2f TB/s=%.3f "
-         "cluster_end_us min=%.2f med=%.2f max=%.2f\n", G, C, S, per / 1024, grid, active,
+  printf("RESULT G=%d C=%d S=%d KiB=%zu alias=%d grid=%d resident_clusters=%d MB=%.1f median_us=%.2f TB/s=%.3f "
+         "cluster_end_us min=%.2f med=%.2f max=%.2f\n", G, C, S, per / 1024, alias, grid, active,
          total / 1e6, med, total / (med * 1e-6) / 1e12, se[0], se[G / 2], last);
   if (graph) {
     // 8 launches a graph, as the bench's graphs of 8 calls (one buffer each).
@@ -151,7 +164,7 @@ int main(int argc, char** argv) {
     CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
     for (int c = 0; c < calls; ++c) {
       const uint8_t* src = buf + (size_t)(c % copies) * total;
-      CK(cudaLaunchKernelEx(&gcfg, stream, src, per, S, stamps, 0));
+      CK(cudaLaunchKernelEx(&gcfg, stream, src, per, S, stamps, 0, C, alias));
     }
     CK(cudaStreamEndCapture(st, &g));
     CK(cudaGraphInstantiate(&ge, g, 0));
@@ -165,8 +178,8 @@ int main(int argc, char** argv) {
       if (r >= 5) gt.push_back(ms * 1000.f / calls);
     }
     std::sort(gt.begin(), gt.end());
-    printf("GRAPH G=%d C=%d S=%d KiB=%zu per_launch_us=%.2f (min %.2f) TB/s=%.3f\n", G, C, S,
-           per / 1024, gt[gt.size() / 2], gt[0], total / (gt[gt.size() / 2] * 1e-6) / 1e12);
+    printf("GRAPH G=%d C=%d S=%d KiB=%zu alias=%d per_launch_us=%.2f (min %.2f) TB/s=%.3f\n", G, C, S,
+           per / 1024, alias, gt[gt.size() / 2], gt[0], total / (gt[gt.size() / 2] * 1e-6) / 1e12);
   }
   printf("CLUSTERS");
   for (int g = 0; g < G; ++g) {
