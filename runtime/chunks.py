@@ -1,6 +1,6 @@
 """Any number of tokens through a layer that serves 1..B in one launch: row chunks.
 
-A layer call serves M up to its largest token bucket B (128 for the
+A layer call serves M up to its largest token bucket B (256 for the
 configs' builds; ``runtime.constants.MAX_TOKENS`` bounds it).
 ``chunk_plan(m, buckets)`` splits M >= 1 rows into pieces that one call each
 serves: M up to the largest bucket is one piece; above it, pieces

@@ -76,7 +76,7 @@ def test_unit_widths():
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("tokens", [8, 16, 17, 32, 48, 64, 96, 128])
+@pytest.mark.parametrize("tokens", [8, 16, 17, 32, 48, 64, 96, 128, 133, 256])
 def test_unit_capacity_is_reached(tokens, arch):
     """An adversarial routing of the real shape has exactly capacity units
     (greedy: one route per expert, then ``group`` more routes per extra unit)."""

@@ -27,7 +27,7 @@ from gpu_artifacts import CALL_TOL, pooled_rel_l2
 import runtime
 from runtime.errors import ArtifactError, DeviceRefused, InputError
 from runtime.layout import random_moe_weights
-from runtime.reference import moe_reference, rel_l2, tie_margin
+from runtime.reference import moe_reference, rel_l2, tie_margin, tie_margin_for
 
 pytestmark = pytest.mark.gpu
 
@@ -210,12 +210,22 @@ def test_two_streams_in_parallel(artifact, layer, weights, device):
         torch.cuda.synchronize(device)
         # Per stream: the calls' error pooled within TOL, each call within
         # CALL_TOL (a 1-token call alone spread to 1.01e-2 once); a call that
-        # read another stream's workspace would be far off or NaN.
+        # read another stream's workspace would be far off or NaN. Tokens on
+        # a near-tie (``tie_margin_for`` below TIE) may route apart from the
+        # reference (a whole route's row off, at 256 tokens 1e-2 of the pooled
+        # error): they are counted apart, as in ``_check_routing``.
         for s in range(2):
+            kept = [tie_margin_for(p[1], p[2], artifact.shape) >= TIE for p in pools[s]]
             pairs = [(got, pools[s][i % 4][3]) for i, got in enumerate(results[s])]
             for i, (got, want) in enumerate(pairs):
                 assert not got.isnan().any() and rel_l2(got, want) < CALL_TOL, (m_pair, s, i)
-            assert pooled_rel_l2(pairs) < TOL, (m_pair, s)
+            apart = sum(int((~k).sum()) for k in kept)
+            clear = [(got[kept[i % 4]], want[kept[i % 4]]) for i, (got, want) in enumerate(pairs)]
+            print(
+                f"M={m_pair[s]} stream {s}: pooled {pooled_rel_l2(pairs):.5f}, "
+                f"{apart} near-tie token(s) of {4 * m_pair[s]} apart: {pooled_rel_l2(clear):.5f}"
+            )
+            assert pooled_rel_l2(clear) < TOL, (m_pair, s)
     assert len(layer.artifact.workspaces(device.index).streams()) >= 2 or not any(
         v.workspace for v in artifact.variants
     )
