@@ -55,11 +55,12 @@ Phases of a call, and what each waits on:
    and L2 prefetches of static inputs; ``__syncthreads``;
    ``griddepcontrol.wait`` (the previous call's grid has finished).
 2. ``start_call``: CTA t < M routes token t (warp 0) and quantizes it (the
-   epilogue group); thread 32 reads the call counter (parity =
+   epilogue group), and where the bucket exceeds the grid tokens t + grid,
+   t + 2 grid, ... too; thread 32 reads the call counter (parity =
    ``call_parity``); ``__syncthreads``; every CTA zeroes its ``zero_share``
-   of the other parity's counters; thread 0 of CTA t < M counts token t on
-   the ready word (release), and thread 0 of every CTA waits (acquire) until
-   all M are counted; ``__syncthreads``. With ``plan.local_routing``
+   of the other parity's counters; thread 0 of CTA t < M counts its tokens
+   on the ready word (release), and thread 0 of every CTA waits (acquire)
+   until all M are counted; ``__syncthreads``. With ``plan.local_routing``
    (M <= ``grouped_plan.LOCAL_ROUTING_TOKENS``) every CTA routes every token
    into its own ``picks`` (warp w token w; CTA t also stores token t's ids
    and weights), and CTA t < M first quantizes token t on the epilogue warps,
@@ -654,8 +655,8 @@ class GroupedCommon:
                 if cutlass.const_expr(self.stamps):
                     if tid == 0:
                         self.stamp(t, "route_done")
-        # Up to the SM count (every H200 and B200 bucket) CTA c takes token c
-        # alone: an ``if``, not the loop below.
+        # Up to the SM count (the buckets up to 128 on the H200 and B200) CTA
+        # c takes token c alone: an ``if``, not the loop below.
         elif cutlass.const_expr(self.tokens <= self.grid):
             if cta < self.tokens:
                 if warp == 0:

@@ -1,5 +1,5 @@
 """Grouped MoE kernel for sm_100a (B200/GB200): routed experts plus the
-shared expert of 8-128 decode tokens in one persistent kernel, one CTA per SM,
+shared expert of 8-256 decode tokens in one persistent kernel, one CTA per SM,
 with tcgen05 MMA and TMEM accumulators.
 
 The plan (``grouped_plan``), the phases of a call and the rings shared with
@@ -76,22 +76,22 @@ from runtime.constants import TILE
 ARCH = "sm_100a"
 ENTRY_PREFIX = "moe_grouped_sm100"
 
-GATHERERS = 2  # B-tile gatherer warps (2, 3)
+GATHERERS = gp.GATHERERS[ARCH]  # B-tile gatherer warps (2, 3)
 EPILOGUE = 4  # first epilogue warp (4..7; warp % 4 = its TMEM lane quadrant)
 MMA_WARP = 1
 #: All 512 TMEM columns: one CTA per SM, so no other CTA waits for them.
-TMEM_COLUMNS = 512
+TMEM_COLUMNS = gp.TMEM_COLUMNS
 
 
 def columns_of(plan: gp.GroupedPlan) -> int:
     """TMEM columns of one stage's accumulators (``group`` per K block)."""
-    return plan.depth * plan.group
+    return gp.tmem_stage_columns(plan)
 
 
 def slots_of(plan: gp.GroupedPlan) -> int:
-    """Accumulator slots between the MMA warp and the epilogue: as many as
-    the TMEM columns hold, at most 32 (16 at two K blocks a stage)."""
-    return min(32, TMEM_COLUMNS // columns_of(plan))
+    """Accumulator slots between the MMA warp and the epilogue
+    (``grouped_plan.accumulator_slots``)."""
+    return gp.accumulator_slots(plan, ARCH)
 
 
 def idesc_of(plan: gp.GroupedPlan) -> int:
@@ -102,7 +102,7 @@ def idesc_of(plan: gp.GroupedPlan) -> int:
 
 def layout_of(plan: gp.GroupedPlan) -> gp.SmemLayout:
     """The deepest shared-memory layout that fits sm_100a's limit."""
-    return gp.fit_layout(plan, ARCH, GATHERERS, slots_of(plan))
+    return gp.arch_layout(plan, ARCH)
 
 
 class GroupedKernel(GroupedCommon):

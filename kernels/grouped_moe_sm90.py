@@ -1,5 +1,5 @@
 """Grouped MoE kernel for Hopper (sm_90a): routed experts plus the shared
-expert of 8-128 decode tokens in one persistent kernel, one CTA per SM.
+expert of 8-256 decode tokens in one persistent kernel, one CTA per SM.
 
 The plan (``grouped_plan``), the phases of a call and the rings shared with
 sm_100a (``grouped_common``'s docstring: shared-memory map, full / posted
@@ -83,7 +83,7 @@ from runtime.constants import TILE
 
 ENTRY = "moe_grouped_sm90"
 ARCH = "sm_90a"
-GATHERERS = 3  # warps 1-3
+GATHERERS = gp.GATHERERS[ARCH]  # warps 1-3
 MMA_WARP = 4  # first warp of the MMA warpgroup (a multiple of 4)
 HALVES = TILE // 64  # m64 instructions per 128-row tile
 K32 = TILE // 32  # k32 steps of one K block
@@ -123,7 +123,7 @@ class GroupedMoeSm90(GroupedCommon):
 
     def __init__(self, spec: KernelSpec):
         plan = GroupedPlan.from_spec(spec)
-        layout = gp.fit_layout(plan, ARCH, GATHERERS, slots=0)
+        layout = gp.arch_layout(plan, ARCH)
         super().__init__(spec, layout)
 
     # -- host ----------------------------------------------------------------------------

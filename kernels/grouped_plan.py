@@ -335,8 +335,13 @@ def plan_problems(hidden: int, inter: int, experts: int, top_k: int, tokens: int
         reasons.append(f"top_k {top_k} must be in 1..min(32, experts)")
     if not 1 <= tokens <= MAX_TOKENS:
         reasons.append(f"tokens {tokens} outside 1..{MAX_TOKENS}")
-    if not reasons and unit_capacity(experts, top_k) >= 1 << UNIT_BITS:
-        reasons.append(f"{unit_capacity(experts, top_k)} units exceed the {UNIT_BITS}-bit field")
+    # The stage words hold this bucket's units (the counter blocks, sized for
+    # MAX_TOKENS, are memory only): the most units of any width at ``tokens``.
+    units = unit_capacity(experts, top_k, tokens) if not reasons else 0
+    if units >= 1 << UNIT_BITS:
+        reasons.append(f"{units} units at {tokens} tokens exceed the {UNIT_BITS}-bit field of "
+                       f"the stage words (fewer tokens a bucket, fewer experts or a smaller "
+                       f"top_k)")  # fmt: skip
     return reasons
 
 
@@ -462,6 +467,33 @@ def smem_layout(plan: GroupedPlan, stages: int, gatherers: int, slots: int = 0) 
         a_bytes=a_bytes, b_bytes=b_bytes, total=ceil_div(r.end, 1024) * 1024, placed=r,
         **{"off_" + k: v for k, v in r.offsets.items()},
     )  # fmt: skip
+
+
+#: Gatherer warps of each architecture's kernel (sm_90a: warps 1-3; sm_100a:
+#: warps 2, 3), the layout's ``gatherers``.
+GATHERERS = {"sm_90a": 3, "sm_100a": 2}
+#: sm_100a: the TMEM columns one CTA allocates (all of the SM's: one CTA per SM).
+TMEM_COLUMNS = 512
+
+
+def tmem_stage_columns(plan: GroupedPlan) -> int:
+    """sm_100a: TMEM columns of one stage's accumulators (``group`` per K block)."""
+    return plan.depth * plan.group
+
+
+def accumulator_slots(plan: GroupedPlan, arch: str) -> int:
+    """Accumulator slots between MMA issue and epilogue: none on sm_90a (its
+    MMA warpgroup is the epilogue); on sm_100a as many stages' accumulators
+    as TMEM_COLUMNS hold, at most 32 (16 at two K blocks a stage)."""
+    if arch == "sm_90a":
+        return 0
+    return min(32, TMEM_COLUMNS // tmem_stage_columns(plan))
+
+
+def arch_layout(plan: GroupedPlan, arch: str) -> SmemLayout:
+    """The layout ``arch``'s kernel runs (``fit_layout`` with its gatherers
+    and accumulator slots); ValueError where none fits."""
+    return fit_layout(plan, arch, GATHERERS[arch], accumulator_slots(plan, arch))
 
 
 def fit_layout(plan: GroupedPlan, arch: str, gatherers: int, slots: int = 0) -> SmemLayout:

@@ -37,13 +37,13 @@ def _grouped(arch: str, hidden: int, inter: int, experts: int, top_k: int,
         )
     if top_k > 32:
         reasons.append(f"top_k {top_k}: the grouped kernel writes one route per lane (<= 32)")
-    # The plan's stage words and tiling (both archs), and sm_90a's shared
-    # memory at this bucket (the unit tables grow with it).
+    # The plan's stage words and tiling, and the arch kernel's shared memory
+    # at this bucket (the unit tables grow with it).
     reasons += grouped_plan.plan_problems(hidden, inter, experts, top_k, tokens)
-    if arch == "sm_90a" and not reasons:
+    if arch in grouped_plan.GATHERERS and not reasons:
         plan = grouped_plan.GroupedPlan(hidden, inter, experts, top_k, tokens, 1, arch=arch)
         try:
-            grouped_plan.fit_layout(plan, arch, gatherers=3)
+            grouped_plan.arch_layout(plan, arch)
         except ValueError as e:
-            reasons.append(f"grouped sm_90a shared memory: {e}")
+            reasons.append(f"grouped {arch} shared memory: {e}")
     return reasons

@@ -501,7 +501,7 @@ def test_workspaces_and_counters():
     assert rows == max(gp.unit_capacity(p.experts, p.top_k, MAX_TOKENS, g) * g for g in gp.GROUPS)
     assert ws["hidden"].bytes == rows * p.inter and ws["hscale"].bytes == rows * p.nk2 * 4
     # Every bucket's tables, on every arch, fit the MAX_TOKENS-sized workspaces.
-    for tokens in (8, 16, 32, 48, 64, 96, 128):
+    for tokens in (8, 16, 32, 48, 64, 96, 128, 160, 192, 224, 256):
         for arch in ARCHS:
             q = plan(tokens=tokens, arch=arch)
             assert q.max_units <= units and q.max_units * q.group <= rows
@@ -543,7 +543,7 @@ def test_call_counter_and_parity_words_never_overlap(hidden, inter, experts, top
     assert len(block) == 1 + units * pairs + units + 2 + 1  # the documented counters
     assert 0 <= min(block) and max(block) < c.words
     for grid in GRIDS:
-        for tokens in (1, 8, 64, 128):
+        for tokens in (1, 8, 64, 128, 256):
             assert gp.GroupedPlan(hidden, inter, experts, top_k, tokens, grid).counters == c
         blocks = [{parity * c.words + w for w in block} for parity in (0, 1)]
         assert not blocks[0] & blocks[1]
@@ -648,6 +648,16 @@ def test_plan_refuses_unservable_shapes():
     assert gp.plan_problems(8192, 384, 288, 8, 64) == []  # 64 K blocks: indices 0..63
 
 
+def test_the_unit_field_bounds_each_bucket_not_the_largest_one():
+    """The stage words hold a bucket's own units: 960 experts at top-8 have
+    at most 972 units at 128 tokens (served) and 1044 at 256 (refused,
+    naming the bucket), whatever MAX_TOKENS sizes the counters for."""
+    assert gp.unit_capacity(960, 8, 128) < 1 << gp.UNIT_BITS <= gp.unit_capacity(960, 8, 256)
+    assert gp.plan_problems(4096, 512, 960, 8, 128) == []
+    (reason,) = gp.plan_problems(4096, 512, 960, 8, 256)
+    assert "1044 units at 256 tokens" in reason and f"{gp.UNIT_BITS}-bit" in reason
+
+
 def test_shape_rules_name_the_plan_limits(monkeypatch):
     from kernels.shapes import unsupported
 
@@ -655,6 +665,12 @@ def test_shape_rules_name_the_plan_limits(monkeypatch):
     assert unsupported("grouped", "sm_90a", 5120, 384, 160, 8, 64) == []
     reasons = unsupported("grouped", "sm_90a", 4096, 320, 100, 8, 64)
     assert any("inter 320" in r for r in reasons) and any("experts 100" in r for r in reasons)
+    # Both archs' layouts at the bucket: a 32-route shape whose tables fill
+    # sm_100a's shared memory at 224 tokens and sm_90a's at 192.
+    assert unsupported("grouped", "sm_100a", 2176, 896, 512, 32, 192) == []
+    for arch, tokens in (("sm_100a", 224), ("sm_90a", 192)):
+        (reason,) = unsupported("grouped", arch, 2176, 896, 512, 32, tokens)
+        assert reason.startswith(f"grouped {arch} shared memory"), reason
     # A target whose shared memory cannot hold the smallest ring.
     monkeypatch.setitem(SMEM_LIMIT, "sm_90a", 100 * 1024)
     assert any("shared memory" in r for r in unsupported("grouped", "sm_90a", 4096, 512, 288, 8, 8))
