@@ -45,7 +45,7 @@ from kernels.ptx import tcgen05 as tc  # noqa: E402
 from kernels.spec import PARAMETER_NAMES, KernelSpec  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-BUCKETS = (8, 16, 32, 48, 64)
+BUCKETS = (8, 16, 32, 48, 64, 128, 256)
 SMS = 148  # configs/glm5.yaml's sm_100a target
 REGISTERS_PER_SM = 65536
 
@@ -167,13 +167,15 @@ def test_spec_mismatch_is_refused():
 
 # -- compiled for sm_100a ----------------------------------------------------------------
 
-#: Both dtypes, both finalize modes, the smallest and largest buckets and the
-#: split-halves regime (48 and 64 tokens give more than SPLIT_UNITS units).
+#: Both dtypes, both finalize modes, the smallest and largest buckets, the
+#: split-halves regime (48 and 64 tokens give more than SPLIT_UNITS units)
+#: and a bucket above the SM count (CTA c takes tokens c, c + grid, ...).
 SUBSET = (
     "grouped-sm_100a-m8-float32",
     "grouped-sm_100a-m32-bfloat16-final",
     "grouped-sm_100a-m48-float32",
     "grouped-sm_100a-m64-bfloat16-final",
+    "grouped-sm_100a-m256-float32-final",
 )
 
 
