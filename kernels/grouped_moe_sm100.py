@@ -23,8 +23,8 @@ Warp roles (256 threads):
 
 Rings: full[stages] (``grouped_common.FULL_ARRIVALS`` arrivals and the
 weights' transaction bytes), posted[posts] (1), empty[stages] with 1 arrival
-(the UMMA commit of the stage), and ``slots_of(plan)`` accumulator slots of
-``columns_of(plan)`` TMEM columns: acc_full[slots] with 1 arrival (the UMMA commit of
+(the UMMA commit of the stage), and ``grouped_plan.accumulator_slots``
+accumulator slots of ``grouped_plan.tmem_stage_columns`` TMEM columns: acc_full[slots] with 1 arrival (the UMMA commit of
 the slot; on END, lane 0 of warp 1) and acc_empty[slots] with 4 (lane 0 of
 each epilogue warp, once its warp's TMEM loads are fenced).
 
@@ -83,26 +83,10 @@ MMA_WARP = 1
 TMEM_COLUMNS = gp.TMEM_COLUMNS
 
 
-def columns_of(plan: gp.GroupedPlan) -> int:
-    """TMEM columns of one stage's accumulators (``group`` per K block)."""
-    return gp.tmem_stage_columns(plan)
-
-
-def slots_of(plan: gp.GroupedPlan) -> int:
-    """Accumulator slots between the MMA warp and the epilogue
-    (``grouped_plan.accumulator_slots``)."""
-    return gp.accumulator_slots(plan, ARCH)
-
-
 def idesc_of(plan: gp.GroupedPlan) -> int:
     """UMMA instruction descriptor: E4M3 x E4M3 -> F32, M = 128 weight rows, N
     = the plan's ``group`` tokens."""
     return tc.instruction_desc_e4m3(TILE, plan.group)
-
-
-def layout_of(plan: gp.GroupedPlan) -> gp.SmemLayout:
-    """The deepest shared-memory layout that fits sm_100a's limit."""
-    return gp.arch_layout(plan, ARCH)
 
 
 class GroupedKernel(GroupedCommon):
@@ -116,8 +100,8 @@ class GroupedKernel(GroupedCommon):
 
     def __init__(self, spec: KernelSpec):
         plan = gp.GroupedPlan.from_spec(spec)
-        super().__init__(spec, layout_of(plan))
-        self.columns = columns_of(plan)
+        super().__init__(spec, gp.arch_layout(plan, ARCH))
+        self.columns = gp.tmem_stage_columns(plan)
         self.slots = self.layout.slots
 
     def launch(self, kernel, stream):

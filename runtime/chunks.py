@@ -131,10 +131,11 @@ def run_chunked(layer, x, logits, bias, out: torch.Tensor | None = None) -> torc
     if out is not None:
         check_output(out, m, hidden, layer.device)
     sizes = served(layer, logits.dtype)
+    largest = sizes[-1]
     # served() gives the table's M values, positive ints in order, so the
     # plan skips chunk_plan's argument checks (their cost a call:
     # docs/notes/host-path.md, "Chunked calls").
-    pieces = _pieces(m, sizes[-1])
+    pieces = _pieces(m, largest)
     if out is None:
         out = torch.empty(m, hidden, dtype=torch.bfloat16, device=layer.device)
     if getattr(layer, "poison", False):
@@ -144,7 +145,6 @@ def run_chunked(layer, x, logits, bias, out: torch.Tensor | None = None) -> torc
     # last one where a variant serves its rows at its own bucket and writes
     # the output; the rest, and every piece of a layer that cannot, one
     # layer call each and a copy.
-    largest = sizes[-1]
     direct = getattr(layer, "launch_rows", None)
     full = [start for start, rows in pieces if rows == largest]
     if full and direct is not None and direct(x, logits, bias, out, full, largest):

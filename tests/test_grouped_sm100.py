@@ -74,7 +74,7 @@ def test_the_layout_the_kernel_builds_keeps_the_device_contract(tokens):
     as large and aligned as the device code needs and none overlapping."""
     k = kernel(tokens)
     assert (k.layout.gatherers, k.layout.slots) == (k.GATHERERS, k.slots)
-    assert k.layout == grouped.layout_of(k.plan)  # what compile_kernel records
+    assert k.layout == gp.arch_layout(k.plan, "sm_100a")  # what compile_kernel records
     check_kernel_layout(k, "sm_100a")
 
 
@@ -106,10 +106,12 @@ def test_accumulators_fit_the_tmem_allocation(inter, depth, slots):
     at most 32."""
     s = dataclasses.replace(spec(64), inter=inter)
     p, k = gp.GroupedPlan.from_spec(s), grouped.GroupedKernel(s)
-    assert p.depth == depth and grouped.columns_of(p) == k.columns == depth * p.group == depth * 16
+    assert (
+        p.depth == depth and gp.tmem_stage_columns(p) == k.columns == depth * p.group == depth * 16
+    )
     columns = grouped.TMEM_COLUMNS
     assert columns == tc.TMEM_MAX_COLUMNS and columns & (columns - 1) == 0
-    assert grouped.slots_of(p) == min(32, columns // k.columns) == slots == k.slots
+    assert gp.accumulator_slots(p, "sm_100a") == min(32, columns // k.columns) == slots == k.slots
     assert k.slots * k.columns <= columns
 
 
@@ -218,7 +220,7 @@ def test_representative_glm5_grouped_buckets_build_for_sm100a(tmp_path):
         assert r["maps"] == list(grouped.TENSOR_MAPS)
         want = grouped.workspaces(plan(r["tokens"]))
         assert r["workspace"] == [[w.name, w.bytes, w.zero] for w in want]
-        lay = grouped.layout_of(plan(r["tokens"]))
+        lay = gp.arch_layout(plan(r["tokens"]), "sm_100a")
         assert r["smem"] == lay.total and r["notes"]["stages"] == lay.stages
         assert r["notes"] == kernel(r["tokens"]).notes(
             tmem_columns=grouped.TMEM_COLUMNS, idesc=f"{grouped.idesc_of(plan(r['tokens'])):#010x}"
