@@ -149,6 +149,7 @@ class Row:
     host_pinned_us: float | None = None
     cpu_probe_us: float | None = None
     check_calls: int | None = None  # the calls ``rel_l2`` pools (``check_calls(M)``)
+    ref_max_abs: float | None = None  # the largest reference magnitude ``max_abs`` sits beside
 
 
 @dataclass(frozen=True)
@@ -159,8 +160,9 @@ class Check:
     ``rel_l2``: relative L2 error of all the calls' rows concatenated (per
     output part, the worst part: routed rows, shared rows, or the MoE output);
     the case's verdict. ``rel_l2_worst_call``: the same measure of the worst
-    single call. ``max_abs``: largest absolute error over every call's rows.
-    ``near_ties``: tokens, summed over the calls, whose routing is a near tie
+    single call. ``max_abs``: largest absolute error over every call's rows;
+    ``ref_max_abs``: the largest reference magnitude of those rows (one BF16
+    rounding alone errs by up to 2**-9 of it). ``near_ties``: tokens, summed over the calls, whose routing is a near tie
     (``NEAR_TIE``)."""
 
     rel_l2: float
@@ -168,6 +170,7 @@ class Check:
     max_abs: float
     near_ties: int
     calls: int
+    ref_max_abs: float
 
 
 def check_calls(m: int, least: int | None = None) -> int:
@@ -178,24 +181,27 @@ def check_calls(m: int, least: int | None = None) -> int:
 
 
 def error_sums(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
-    """float64 [3]: (squared error, squared reference norm, max-abs error) of
-    ``got`` against ``want``, on their device (no host sync)."""
-    diff = got.double() - want.double()
-    return torch.stack([diff.square().sum(), want.double().square().sum(), diff.abs().max()])
+    """float64 [4]: (squared error, squared reference norm, max-abs error,
+    max-abs reference) of ``got`` against ``want``, on their device (no host
+    sync)."""
+    want = want.double()
+    diff = got.double() - want
+    return torch.stack([diff.square().sum(), want.square().sum(), diff.abs().max(),
+                        want.abs().max()])  # fmt: skip
 
 
-def pool_errors(sums: torch.Tensor) -> tuple[float, float, float]:
-    """(pooled rel L2, worst call's rel L2, max-abs) from ``error_sums`` of
-    every (call, output part), float64 [calls, parts, 3].
+def pool_errors(sums: torch.Tensor) -> tuple[float, float, float, float]:
+    """(pooled rel L2, worst call's rel L2, max-abs error, max-abs reference)
+    from ``error_sums`` of every (call, output part), float64 [calls, parts, 4].
 
     A part's pooled rel L2 is sqrt(sum of squared errors / sum of squared
     reference norms) over the calls, which is the rel L2 of its rows of all
     the calls concatenated; both rel L2s are the worst over parts. NaN (an
     unwritten, poisoned output) propagates to every value."""
-    err2, ref2, max_abs = sums.unbind(-1)
+    err2, ref2, max_abs, ref_max = sums.unbind(-1)
     pooled = (err2.sum(0) / ref2.sum(0)).sqrt().max()
     worst = (err2 / ref2).sqrt().max()
-    return pooled.item(), worst.item(), max_abs.max().item()
+    return pooled.item(), worst.item(), max_abs.max().item(), ref_max.max().item()
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30, reps: int = 20) -> float:
@@ -513,7 +519,7 @@ class Bench:
             time_us_min=round(min(times), 2), time_us_max=round(max(times), 2),
             reps=len(times), tb_s=round(tb, 3), floor_fraction=round(tb / self.copy_tb_s, 3),
             correct=check.rel_l2 <= TOLERANCE[kernel], rel_l2=check.rel_l2,
-            max_abs=check.max_abs, near_ties=check.near_ties,
+            max_abs=check.max_abs, ref_max_abs=check.ref_max_abs, near_ties=check.near_ties,
             rel_l2_worst_call=check.rel_l2_worst_call, host_us=host_us,
             host_pinned_us=pinned_us, cpu_probe_us=probe, check_calls=check.calls, **extra,
         )  # fmt: skip
@@ -531,8 +537,8 @@ class Bench:
             ties += int((tie_margins(logits[c], bias, self.shape) < NEAR_TIE).sum())
             parts = self._outputs(kind, finalize, x[c], logits[c], bias)
             sums.append(torch.stack([error_sums(got, want) for got, want in parts]))
-        rel, worst, max_abs = pool_errors(torch.stack(sums))
-        return Check(rel, worst, max_abs, ties, n)
+        rel, worst, max_abs, ref_max = pool_errors(torch.stack(sums))
+        return Check(rel, worst, max_abs, ties, n, ref_max)
 
     def _outputs(self, kind, finalize, x, logits, bias) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(got, float64 reference) of each output part of one call: routed

@@ -140,8 +140,9 @@ class _Pool:
         if got.shape[0]:
             self.sums.append(error_sums(got, want))
 
-    def errors(self) -> tuple[float, float, float] | None:
-        """(pooled rel L2, worst call's rel L2, max abs), None without rows."""
+    def errors(self) -> tuple[float, float, float, float] | None:
+        """(pooled rel L2, worst call's rel L2, max abs error, max abs
+        reference), None without rows."""
         if not self.sums:
             return None
         import torch
@@ -153,11 +154,11 @@ def _verdict(label: str, errors, failures: list[str]) -> str:
     """``errors`` of a part in words; a failure recorded past the bars."""
     if errors is None:
         return f"{label} - (every token a near tie)"
-    pooled, worst, max_abs = errors
+    pooled, worst, max_abs, ref_max = errors
     if not (pooled <= TOL and worst <= CALL_TOL):  # NaN fails too
         failures.append(f"{label}: rel L2 {pooled:.3e} pooled (bar {TOL}), "
                         f"{worst:.3e} worst call (bar {CALL_TOL})")  # fmt: skip
-    return f"{label} {pooled:.2e} (worst call {worst:.2e}, max abs {max_abs:.2e})"
+    return f"{label} {pooled:.2e} (worst call {worst:.2e}, max abs {max_abs:.2e} of {ref_max:.2e})"
 
 
 def _check_entry(layer, kernel, shape, x, logits, bias, ref, close, weights, pools) -> tuple:
