@@ -2,7 +2,8 @@
 
 A layer call serves M up to its largest token bucket B (256 for the
 configs' builds; ``runtime.constants.MAX_TOKENS`` bounds it).
-``chunk_plan(m, buckets)`` splits M >= 1 rows into pieces that one call each
+An empty batch (M = 0) is checked as any call and gives an empty output
+without a launch. ``chunk_plan(m, buckets)`` splits M >= 1 rows into pieces that one call each
 serves: M up to the largest bucket is one piece; above it, pieces
 of the largest bucket in row order, then one final piece of the remainder
 (which the layer pads up to its own bucket: ``runtime.plan``). So at most one
@@ -90,10 +91,10 @@ def served(layer, logits_dtype: torch.dtype) -> list[int]:
 
 
 def check_inputs(layer, x, logits, bias) -> int:
-    """Validates a call of any M >= 1 as the layer validates one of 1..MAX_TOKENS
+    """Validates a call of any M >= 0 as the layer validates one of 1..MAX_TOKENS
     (``runtime.inputs.check_call``: dtypes, shapes, device, dense row-major,
     16-byte aligned); returns M."""
-    return check_call(x, logits, bias, layer.shape, layer.device, layer.dtypes, None)
+    return check_call(x, logits, bias, layer.shape, layer.device, layer.dtypes, None, least=0)
 
 
 def check_output(out, m: int, hidden: int, device: torch.device) -> None:
@@ -113,7 +114,8 @@ def check_output(out, m: int, hidden: int, device: torch.device) -> None:
 
 
 def run_chunked(layer, x, logits, bias, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The layer's output BF16 [M, H] for any M >= 1 (module docstring).
+    """The layer's output BF16 [M, H] for any M >= 1 (module docstring); for
+    M = 0 (an empty batch, checked as any call) an empty one, launching nothing.
 
     ``x`` BF16 [M, H], ``logits`` [M, E] (a dtype the layer serves), ``bias``
     FP32 [E], all dense on the layer's device. ``out``: BF16 [M, H] to write
@@ -130,14 +132,16 @@ def run_chunked(layer, x, logits, bias, out: torch.Tensor | None = None) -> torc
     hidden = layer.shape.hidden
     if out is not None:
         check_output(out, m, hidden, layer.device)
+    else:
+        out = torch.empty(m, hidden, dtype=torch.bfloat16, device=layer.device)
+    if m == 0:
+        return out
     sizes = served(layer, logits.dtype)
     largest = sizes[-1]
     # served() gives the table's M values, positive ints in order, so the
     # plan skips chunk_plan's argument checks (their cost a call:
     # docs/notes/host-path.md, "Chunked calls").
     pieces = _pieces(m, largest)
-    if out is None:
-        out = torch.empty(m, hidden, dtype=torch.bfloat16, device=layer.device)
     if getattr(layer, "poison", False):
         out.fill_(float("nan"))
     # The full pieces, straight into their rows of ``out`` where the layer can

@@ -47,10 +47,12 @@ _ACCEPTED: dict[tuple, tuple] = {}
 
 
 def check_call(x, logits, bias, shape: MoEShape, device: torch.device,
-               logits_dtypes, max_tokens: int | None = MAX_TOKENS) -> int:  # fmt: skip
+               logits_dtypes, max_tokens: int | None = MAX_TOKENS,
+               least: int = 1) -> int:  # fmt: skip
     """Validates one call; returns M. ``logits_dtypes``: names the bound
     variants accept (``float32``/``bfloat16``); ``max_tokens`` None: no upper
-    bound on M (a chunked call).
+    bound on M (a chunked call); ``least``: the smallest M accepted (0 for the
+    layer's entry, where an empty batch is an empty output).
 
     A call that passes every check returns from ``_passes``, which compares
     against the expected values and builds no message; anything else (and
@@ -61,7 +63,7 @@ def check_call(x, logits, bias, shape: MoEShape, device: torch.device,
         m = _passes(x, logits, bias, shape, device, accepted, max_tokens)
         if m is not None:
             return m
-    m = _check_call(x, logits, bias, shape, device, logits_dtypes, max_tokens)
+    m = _check_call(x, logits, bias, shape, device, logits_dtypes, max_tokens, least)
     if type(logits_dtypes) is tuple:
         _ACCEPTED[logits_dtypes] = tuple(LOGITS[d] for d in logits_dtypes)
     return m
@@ -71,7 +73,8 @@ def _passes(x, logits, bias, shape: MoEShape, device: torch.device, accepted: tu
             max_tokens: int | None) -> int | None:  # fmt: skip
     """M when the call passes every check of ``_check_call`` (``accepted``:
     the logits dtypes), else None: it accepts no call that ``_check_call``
-    refuses, and a call it does not accept goes to ``_check_call``."""
+    refuses, and a call it does not accept goes to ``_check_call`` (so does
+    every M = 0 call, which only some entries accept)."""
     if not (isinstance(x, torch.Tensor) and isinstance(logits, torch.Tensor)):
         return None
     if not shape.bias:
@@ -104,16 +107,16 @@ def _passes(x, logits, bias, shape: MoEShape, device: torch.device, accepted: tu
 
 
 def _check_call(x, logits, bias, shape: MoEShape, device: torch.device,
-                logits_dtypes, max_tokens: int | None) -> int:  # fmt: skip
+                logits_dtypes, max_tokens: int | None, least: int) -> int:  # fmt: skip
     """``check_call``'s checks in order, each failure with its message."""
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
         found = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
         raise InputError(f"x: expected a [M, {shape.hidden}] tensor, found {found}")
     m = x.shape[0]
-    if max_tokens is None and m < 1:
-        raise InputError(f"x: expected M (tokens) >= 1, found {m}")
-    if max_tokens is not None and not 1 <= m <= max_tokens:
-        raise InputError(f"x: expected M (tokens) in 1..{max_tokens}, found {m}")
+    if max_tokens is None and m < least:
+        raise InputError(f"x: expected M (tokens) >= {least}, found {m}")
+    if max_tokens is not None and not least <= m <= max_tokens:
+        raise InputError(f"x: expected M (tokens) in {least}..{max_tokens}, found {m}")
     check_tensor("x", x, torch.bfloat16, (m, shape.hidden), device)
     accepted = tuple(LOGITS[d] for d in logits_dtypes)
     if not accepted:

@@ -3,7 +3,7 @@
 ``layer.mega(x, logits, bias)`` -> (out, ids, weights) (``shared=True``: also
 the shared expert's output) and ``layer.grouped(x, logits, bias,
 finalize=False)`` -> (out, ids, weights, shared) or ``final`` run one kernel;
-``layer(x, logits, bias)`` serves any M >= 1 and returns the full MoE
+``layer(x, logits, bias)`` serves any M >= 0 and returns the full MoE
 output BF16 [M, H] (routed, weighted, plus the shared expert). Shapes: out BF16 [M * top_k, H] (row t*top_k + k = route k of
 token t, unweighted), ids int32 [M, top_k], weights FP32 [M, top_k], shared
 and final BF16 [M, H]. Padded rows never come back.
@@ -210,9 +210,10 @@ class MoELayer:
         """The MoE layer's output BF16 [M, H] for any M >= 1: one launch up to
         the largest bucket, bucket-sized chunks above it
         (``runtime.chunks.run_chunked``: no host sync, graph-capturable; each
-        chunk re-reads the experts its tokens need)."""
+        chunk re-reads the experts its tokens need). M = 0 (an empty batch):
+        checked as any call, an empty [0, H] output, no launch."""
         rows = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() == 2 else 0
-        if rows > self.largest:
+        if rows > self.largest or rows == 0:
             return run_chunked(self, x, logits, bias)
         m, dtype = self._check(x, logits, bias, None)
         step = self.tables[dtype].get(m)

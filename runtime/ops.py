@@ -1,7 +1,7 @@
 """The layer as a PyTorch custom op, for torch.compile and serving engines.
 
 ``torch.ops.moe_build.moe_layer(Tensor x, Tensor logits, Tensor? bias, int
-handle) -> Tensor``: the MoE output BF16 [M, H] for any M >= 1 (``bias``
+handle) -> Tensor``: the MoE output BF16 [M, H] for any M >= 0 (``bias``
 None for a model that routes without a score-correction bias)
 (``runtime.chunks.run_chunked``: one layer call up to the largest bucket,
 row chunks above). ``handle`` is an opaque integer naming a bound layer in a
@@ -119,8 +119,6 @@ def check_meta(layer, x, logits, bias) -> None:
         found = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
         raise InputError(f"x: expected a [M, {shape.hidden}] tensor, found {found}")
     m = x.shape[0]
-    if m < 1:
-        raise InputError(f"x: expected M (tokens) >= 1, found {m}")
     accepted = tuple(LOGITS[d] for d in layer.dtypes)
     _meta("x", x, (torch.bfloat16,), (m, shape.hidden), device)
     _meta("logits", logits, accepted, (m, shape.experts), device)

@@ -206,8 +206,12 @@ def test_table_with_holes_is_padded_to_a_served_m(weights):
 def test_bad_inputs_are_refused_for_any_m(weights):
     layer = _layer(weights)
     x, logits, bias = _inputs(100)
-    with pytest.raises(InputError, match=r"x: expected M \(tokens\) >= 1, found 0"):
-        run_chunked(layer, x[:0], logits[:0], bias)
+    empty = run_chunked(layer, x[:0], logits[:0], bias)  # an empty batch: no call
+    assert empty.shape == (0, 256) and empty.dtype == torch.bfloat16 and layer.calls == []
+    out = torch.empty(0, 256, dtype=torch.bfloat16)
+    assert run_chunked(layer, x[:0], logits[:0], bias, out=out) is out
+    with pytest.raises(InputError, match=r"logits: expected shape \[0, 32\], found \[1, 32\]"):
+        run_chunked(layer, x[:0], logits[:1], bias)
     with pytest.raises(InputError, match=r"x: expected a \[M, 256\] tensor, found \[25600\]"):
         run_chunked(layer, x.view(-1), logits, bias)
     with pytest.raises(InputError, match=r"logits: expected shape \[100, 32\], found \[99, 32\]"):

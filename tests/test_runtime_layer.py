@@ -78,6 +78,34 @@ def test_layer_dispatches_pads_crops_and_combines(weights, m):
     assert torch.equal(padded_logits[m:], logits[-1:].expand(bucket - m, -1))
 
 
+def test_an_empty_batch_is_an_empty_output(weights):
+    """M = 0 (an engine's step with no tokens on this rank) gives a BF16
+    [0, H] output and launches nothing; its tensors are checked as any
+    call's, and the kernel entries, which launch, still want M >= 1."""
+    layer = _layer(weights, poison=True)
+    for dtype in (torch.float32, torch.bfloat16):
+        x, logits, bias = _inputs(0, dtype)
+        final = layer(x, logits, bias)
+        assert final.shape == (0, SHAPE.hidden) and final.dtype == torch.bfloat16
+        assert final.device == CPU
+    assert layer.calls == []
+    x, logits, bias = _inputs(0)
+    with pytest.raises(InputError, match=r"logits: expected shape \[0, 32\], found \[0, 16\]"):
+        layer(x, logits[:, :16], bias)
+    with pytest.raises(InputError, match=r"x: expected shape \[0, 256\], found \[0, 128\]"):
+        layer(x[:, :128], logits, bias)
+    with pytest.raises(InputError, match="x: expected dtype torch.bfloat16"):
+        layer(x.float(), logits, bias)
+    with pytest.raises(InputError, match="bias: expected dtype torch.float32"):
+        layer(x, logits, bias.double())
+    with pytest.raises(InputError, match="logits: expected dtype"):
+        layer(x, logits.half(), bias)
+    for entry in (layer.mega, layer.grouped):
+        with pytest.raises(InputError, match=r"x: expected M \(tokens\) in 1\.\.256, found 0"):
+            entry(x, logits, bias)
+    assert layer.calls == []
+
+
 def test_kernel_entries_crop_padding(weights):
     layer = _layer(weights, poison=True)
     k = SHAPE.top_k
