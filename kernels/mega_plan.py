@@ -32,7 +32,8 @@ at least 8 K blocks (2 parts for the TP8 shards' 4-CTA clusters at M = 1..4;
 up to 4 at inter 128); sm_100a splits into the most parts, up to
 8, that keep the cluster within 16 CTAs and divide H/128, each part's K
 blocks the columns of UMMA N = 16 accumulators in TMEM (GLM-5: 8 row tiles x
-2 K parts of 16 K blocks).
+2 K parts of 16 K blocks), 2 CTAs per SM with 256 columns each, or 1 with all
+512 where the accumulators need more (``MegaPlan.alone``).
 The CTAs per SM and the ring depth follow from the call's grid (sm_90a,
 ``occupancy``): the fewest CTAs per SM at which every cluster of a call is
 resident at once (one wave), and the deepest ring that occupancy leaves the
@@ -101,6 +102,14 @@ class MegaArch:
     split_one_wave: bool = False
     #: Fewest GEMM1 K blocks of a K part (sm_90a: the rotating B tiles).
     min_blocks: int = 1
+    #: sm_100a: the ring depth of a variant whose accumulators (``tmem_alloc``)
+    #: exceed the TMEM columns one of its ``ring`` CTAs per SM holds (an odd
+    #: hidden/128, which K cannot split, at inter 128 or 256: GEMM2's row
+    #: tiles on few CTAs). Such a variant runs alone on its SM, 1 CTA per SM
+    #: with all the columns, and its shared memory must keep a second CTA off
+    #: the SM (``problems``): the kernel relinquishes its allocation permit,
+    #: so a second CTA there would wait for the first's columns. 0: refused.
+    alone_ring: int = 0
 
 
 ARCH = {
@@ -114,7 +123,7 @@ ARCH = {
     ),
     "sm_100a": MegaArch(
         arch="sm_100a", max_split=8, b_rows=16,
-        ring={2: 4},
+        ring={2: 4}, alone_ring=8,
         order={m: "shared_last" for m in range(1, MEGA_TOKENS + 1)},
         tmem_columns=512, uneven_gemm2=True,
     ),
@@ -327,13 +336,27 @@ class MegaPlan:
         many CTAs of this shape would not fit an SM's shared memory
         (``SMEM_PER_SM``), at least MIN_STAGES."""
         c = self.ctas_per_sm
-        for stages in range(self.config.ring[c], MIN_STAGES, -1):
+        deepest = self.config.alone_ring if self.alone else self.config.ring[c]
+        for stages in range(deepest, MIN_STAGES, -1):
             if c * (self._layout(stages).end + SMEM_RESERVED) <= SMEM_PER_SM[self.arch]:
                 return stages
         return MIN_STAGES
 
     @property
+    def alone(self) -> bool:
+        """sm_100a: whether the accumulators need more TMEM columns than one
+        of ``occupancy``'s CTAs per SM holds, so the variant runs 1 CTA per SM
+        (``MegaArch.alone_ring``)."""
+        cfg = self.config
+        if not cfg.alone_ring:
+            return False
+        c = occupancy(self.arch, self.groups, self.cluster, self.sms)
+        return c > 1 and self.tmem_alloc > cfg.tmem_columns // c
+
+    @property
     def ctas_per_sm(self) -> int:
+        if self.alone:
+            return 1
         return occupancy(self.arch, self.groups, self.cluster, self.sms)
 
     @property
@@ -452,6 +475,10 @@ def problems(arch: str, hidden: int, inter: int, experts: int, top_k: int, token
         plan = MegaPlan(arch, hidden, inter, experts, top_k, tokens, shared_experts)
         if plan.smem > SMEM_LIMIT[arch]:
             reasons.append(f"{plan.smem} B of shared memory exceed {arch}'s {SMEM_LIMIT[arch]}")
+        elif plan.alone and 2 * (plan.smem + SMEM_RESERVED) <= SMEM_PER_SM[arch]:
+            reasons.append(f"{plan.tmem_alloc} TMEM columns a CTA need it alone on its SM, but "
+                           f"its {plan.smem} B of shared memory would let a second CTA "
+                           f"share it")  # fmt: skip
     return reasons
 
 

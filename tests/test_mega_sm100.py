@@ -9,6 +9,7 @@ the right numbers.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -34,7 +35,8 @@ from kernels.spec import PARAMETER_NAMES  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 GLM5 = {"hidden": 4096, "inter": 512, "experts": 288, "top_k": 8}
 #: Shared memory of one SM on B200 (228 KiB) and the 1 KiB the system reserves
-#: per CTA; two mega CTAs must fit (``min_blocks_per_mp=2``).
+#: per CTA; two mega CTAs must fit (``min_blocks_per_mp=2``), but for a
+#: variant that runs alone on its SM (``MegaPlan.alone``).
 SMEM_PER_SM, SMEM_PER_CTA_RESERVED = 233472, 1024
 REGISTERS_PER_SM = 65536
 
@@ -75,6 +77,49 @@ def test_tmem_columns_cover_every_accumulator(shape, split, sets1, alloc):
     quadrants = sorted(w % 4 for w in range(mega.EPILOGUE, mega.THREADS // 32))
     assert quadrants == [0, 1, 2, 3]
     assert (mega.THREADS - 32 * mega.EPILOGUE) == mgc.GROUP_THREADS >= 8 * p.cluster
+
+
+#: A shard whose hidden/128 (29, odd) K cannot split: its cluster is the 2
+#: CTAs of inter 128, each with 15 GEMM2 row tiles' accumulators.
+ALONE = {"hidden": 3712, "inter": 128, "experts": 256, "top_k": 8}
+
+
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_accumulators_past_half_the_tmem_run_alone_on_their_sm(tokens):
+    """2 GEMM1 and 15 GEMM2 accumulators of 16 columns (272) exceed the 256
+    columns of one of 2 CTAs per SM: the variant takes 1 CTA per SM, all 512
+    columns, and a ring deep enough that a second CTA cannot fit the SM's
+    shared memory (it would wait on the first's columns); any shape the two
+    CTAs' halves hold keeps 2 CTAs per SM."""
+    for sms in (0, 148):
+        p = plan(tokens=tokens, **ALONE, sms=sms) if sms else plan(tokens=tokens, **ALONE)
+        assert (p.split, p.cluster, p.sets1, p.tiles2) == (1, 2, 2, 15)
+        assert p.alone and p.ctas_per_sm == 1 and p.tmem_alloc == 512
+        assert mp.MIN_STAGES < p.stages <= mp.ARCH["sm_100a"].alone_ring
+        assert 2 * (p.smem + SMEM_PER_CTA_RESERVED) > SMEM_PER_SM
+        assert p.smem <= SMEM_LIMIT["sm_100a"]
+    even = plan(**{**ALONE, "hidden": 3456})  # 27 K blocks: 2 + 14 sets, 256 columns
+    assert not even.alone and even.ctas_per_sm == 2 and even.tmem_alloc == 256
+    # Past even one SM's columns the shape is refused, saying why.
+    why = mp.problems("sm_100a", **{**ALONE, "hidden": 7296})  # 57 K blocks: 4 + 29 sets
+    assert why == ["4 GEMM1 and 29 GEMM2 accumulators of 16 TMEM columns exceed the 512 "
+                   "columns of one of 1 CTAs per SM"]  # fmt: skip
+    assert not mp.problems("sm_90a", **{**ALONE, "hidden": 7296})
+
+
+def test_only_four_sm100a_mega_shapes_of_the_stated_range_are_refused():
+    """configs/README.md states hidden any multiple of 128 in 1024..8192 and
+    inter any up to 1024; sm_100a's mega kernel refuses only hidden/128 of
+    57, 59, 61 and 63 at inter 128 (TMEM), at any M and top_k."""
+    refused = {
+        (h // 128, i)
+        for h in range(1024, 8193, 128)
+        for i in range(128, 1025, 128)
+        for tokens in (1, 4)
+        for experts, top_k in ((256, 8), (64, 1))
+        if mp.problems("sm_100a", h, i, experts, top_k, tokens)
+    }
+    assert refused == {(57, 128), (59, 128), (61, 128), (63, 128)}
 
 
 def test_instruction_descriptor():
@@ -173,3 +218,26 @@ def test_every_glm5_mega_bucket_builds_for_sm100a(tmp_path):
         assert r["smem"] == plan(r["tokens"]).smem
         assert r["notes"]["shared_routes"] == r["tokens"]
         assert r["notes"]["smem_limit"] == SMEM_LIMIT["sm_100a"]
+
+
+@pytest.mark.compile
+def test_a_variant_alone_on_its_sm_builds_for_sm100a(tmp_path):
+    """``ALONE`` at M = 1: 1 CTA per SM (the launch bound), all 512 TMEM
+    columns, a ring that keeps a second CTA off the SM; the same instruction
+    shape as the two-CTA variants, no local memory."""
+    from kernels.spec import KernelSpec
+
+    tool = cuobjdump()
+    spec = dataclasses.replace(glm5_specs("sm_100a", "mega", ["mega-sm_100a-m1-float32"])[0][1],
+                               **ALONE)  # fmt: skip
+    (r,) = compile_specs("sm_100a", [("alone", spec)], tmp_path)
+    assert isinstance(spec, KernelSpec) and r["notes"]["tmem_columns"] == 512
+    assert r["notes"]["ctas_per_sm"] == 1 and r["cluster"] == [2, 1, 1]
+    cubin = tmp_path / "alone.cubin"
+    ops, res = sass_counts(tool, cubin), resources(tool, cubin)
+    assert loads_before_pdl_wait(tool, cubin) == []
+    assert count(ops, "UTCQMMA") == 8 and count(ops, "UTMALDG") == 2, ops
+    assert "LDL" not in ops and "STL" not in ops and res["LOCAL"] == 0, (ops, res)
+    assert r["smem"] == plan(**ALONE).smem
+    assert 2 * (r["smem"] + res["SHARED"]) > SMEM_PER_SM
+    assert r["smem"] + res["SHARED"] <= SMEM_OPTIN["sm_100a"]
