@@ -216,6 +216,7 @@ def main(argv=None) -> int:
     p.add_argument("--top", type=int, default=16)
     args = p.parse_args(argv)
     from runtime.chunks import run_chunked
+    from runtime.constants import MAX_TOKENS
     from runtime.inputs import check_call
 
     null = NullDriver().install()
@@ -230,7 +231,11 @@ def main(argv=None) -> int:
         call = functools.partial(layer, x, logits, bias)
         median, best = per_call_us(call, args.calls, args.repeats)
         assert null.launches > before, "the layer launched nothing"
-        check = functools.partial(check_call, x, logits, bias, shape, layer.device, layer.dtypes)
+        # The check a call makes: check_call's, without the upper bound for
+        # a chunked M (run_chunked's check_inputs).
+        limit = MAX_TOKENS if m <= layer.largest else None
+        check = functools.partial(check_call, x, logits, bias, shape, layer.device, layer.dtypes,
+                                  limit)  # fmt: skip
         checked = per_call_us(check, args.calls, args.repeats)[0]
         # The torch op's body (runtime.ops.moe_layer), less torch's dispatch.
         op = functools.partial(run_chunked, layer, x, logits, bias)
