@@ -245,13 +245,18 @@ def test_float32_matches_float64():
     assert torch.equal(r32.ids, r64.ids)
     # Outputs are O(1) (the test weights are scaled for it), not zeros.
     assert 0.05 < r64.out.std() < 20 and 0.05 < r64.shared.std() < 20
-    # Stated tolerance: float32 and float64 accumulation differ by about 1e-7
-    # relative L2 (measured over seeds), except where a hidden value sits so
-    # close to an FP8 rounding boundary that the two round it apart: each such
-    # flip moves this small layer's output by ~3e-4 (measured); 2e-3 allows a
-    # few, and any real error in the math lands far above.
-    assert rel_l2(r32.out, r64.out) < 2e-3
-    assert rel_l2(r32.shared, r64.shared) < 2e-3
+    # Stated tolerance, per row (a route's or a token's shared row): float32
+    # and float64 accumulation differ by at most ~1e-6 relative, except in a
+    # row with a hidden value so close to an FP8 rounding boundary that the
+    # two round it apart; such a flip moves its row by up to 2e-2 (4000 seeds
+    # of this shape: 138 with one such row, 1 with two, none with more; the
+    # pooled error of the 6 shared rows then reached 2.6e-3). Any real error
+    # in the math moves every row.
+    rows = torch.cat([r32.out.double() - r64.out, r32.shared.double() - r64.shared])
+    rows = rows.norm(dim=1) / torch.cat([r64.out, r64.shared]).norm(dim=1)
+    flipped = rows > 1e-5
+    assert int(flipped.sum()) <= 2 and rows.max() < 5e-2, (rows.max(), int(flipped.sum()))
+    assert rel_l2(r32.out, r64.out) < 5e-2 and rel_l2(r32.shared, r64.shared) < 5e-2
     # The float32 final sums BF16-rounded rows (as the kernels do): ~2e-3 measured.
     assert rel_l2(r32.final, r64.final) < 1e-2
     # Exactly: float32 mode finalizes the BF16-rounded rows in FP32, float64
