@@ -226,6 +226,8 @@ def main(argv=None) -> int:
     print(f"CPU: {cpu_model()}; torch {torch.__version__}; shape {args.shape}; "
           f"{args.calls} calls x {args.repeats} runs; null driver")  # fmt: skip
     for m in (int(t) for t in args.tokens.split(",")):
+        if m < 1:
+            p.error(f"--tokens: {m}: an M of at least 1 (an empty call launches nothing)")
         x, logits, bias = inputs(shape, m)
         before = null.launches
         call = functools.partial(layer, x, logits, bias)

@@ -103,9 +103,9 @@ class MegaArch:
     #: Fewest GEMM1 K blocks of a K part (sm_90a: the rotating B tiles).
     min_blocks: int = 1
     #: sm_100a: the ring depth of a variant whose accumulators (``tmem_alloc``)
-    #: exceed the TMEM columns one of its ``ring`` CTAs per SM holds (an odd
-    #: hidden/128, which K cannot split, at inter 128 or 256: GEMM2's row
-    #: tiles on few CTAs). Such a variant runs alone on its SM, 1 CTA per SM
+    #: exceed the TMEM columns one of its ``ring`` CTAs per SM holds (GEMM2's
+    #: row tiles on few CTAs: inter 128 or 256 with a hidden/128 that K splits
+    #: into too few parts; ``MegaPlan.alone``). Such a variant runs alone on its SM, 1 CTA per SM
     #: with all the columns, and its shared memory must keep a second CTA off
     #: the SM (``problems``): the kernel relinquishes its allocation permit,
     #: so a second CTA there would wait for the first's columns. 0: refused.
@@ -332,13 +332,15 @@ class MegaPlan:
         return self.regions.sizes["stages"] // STAGE_BYTES
 
     def _ring_depth(self) -> int:
-        """The arch's ``ring`` at the variant's CTAs per SM, fewer where that
-        many CTAs of this shape would not fit an SM's shared memory
-        (``SMEM_PER_SM``), at least MIN_STAGES."""
+        """The arch's ``ring`` at the variant's CTAs per SM (``alone_ring``
+        for a variant ``alone`` on its SM), fewer where that many CTAs of this
+        shape would not fit an SM's shared memory (``SMEM_PER_SM``) or one
+        would pass a CTA's (``SMEM_LIMIT``), at least MIN_STAGES."""
         c = self.ctas_per_sm
         deepest = self.config.alone_ring if self.alone else self.config.ring[c]
         for stages in range(deepest, MIN_STAGES, -1):
-            if c * (self._layout(stages).end + SMEM_RESERVED) <= SMEM_PER_SM[self.arch]:
+            end = self._layout(stages).end
+            if end <= SMEM_LIMIT[self.arch] and c * (end + SMEM_RESERVED) <= SMEM_PER_SM[self.arch]:
                 return stages
         return MIN_STAGES
 

@@ -114,7 +114,7 @@ def check_output(out, m: int, hidden: int, device: torch.device) -> None:
 
 
 def run_chunked(layer, x, logits, bias, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The layer's output BF16 [M, H] for any M >= 1 (module docstring); for
+    """The layer's output BF16 [M, H] for any M >= 0 (module docstring); for
     M = 0 (an empty batch, checked as any call) an empty one, launching nothing.
 
     ``x`` BF16 [M, H], ``logits`` [M, E] (a dtype the layer serves), ``bias``

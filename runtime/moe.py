@@ -207,7 +207,7 @@ class MoELayer:
         return (*self._crop(layout, block, m), shared)
 
     def __call__(self, x, logits, bias):
-        """The MoE layer's output BF16 [M, H] for any M >= 1: one launch up to
+        """The MoE layer's output BF16 [M, H] for any M >= 0: one launch up to
         the largest bucket, bucket-sized chunks above it
         (``runtime.chunks.run_chunked``: no host sync, graph-capturable; each
         chunk re-reads the experts its tokens need). M = 0 (an empty batch):

@@ -122,6 +122,20 @@ def test_only_four_sm100a_mega_shapes_of_the_stated_range_are_refused():
     assert refused == {(57, 128), (59, 128), (61, 128), (63, 128)}
 
 
+def test_the_shapes_that_run_alone_are_the_ones_configs_readme_lists():
+    """Accumulators past 256 columns (1 CTA per SM): at inter 128 hidden/128
+    odd in 29..55 (no K split) and 58, 62 (2 parts: 15 and 16 GEMM2 tiles),
+    at inter 256 odd in 49..63; every other accepted shape runs 2 CTAs per SM."""
+    alone = {
+        (h // 128, i)
+        for h in range(1024, 8193, 128)
+        for i in range(128, 1025, 128)
+        if not mp.problems("sm_100a", h, i, 256, 8, 1) and plan(hidden=h, inter=i).alone
+    }
+    assert alone == ({(n, 128) for n in range(29, 56, 2)} | {(58, 128), (62, 128)}
+                     | {(n, 256) for n in range(49, 64, 2)})  # fmt: skip
+
+
 def test_instruction_descriptor():
     # The value the DSL's own builder gives for M=128, N=32: prims.Tcgen05InstrDesc.build(
     # c_dtype=Float32, a_dtype=F8E4M3FN, b_dtype=F8E4M3FN, n_dim=32, m_dim=128), i.e.
