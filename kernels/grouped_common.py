@@ -109,7 +109,7 @@ from cutlass import Float32, Int32, Int64, Uint32
 
 from kernels import grouped_plan as gp
 from kernels import moe_common as mc
-from kernels import ptx
+from kernels import ptx, routing
 from kernels.abi import (
     GROUPED_MAPS,
     GROUPED_PARAMS,
@@ -753,15 +753,24 @@ class GroupedCommon:
             ptx.red_or_shared_u32(mask_addr + word * 4, Uint32(1) << Uint32(bit))
         cute.arch.sync_threads()
         if warp == 0:
-            per = experts // 32
+            # Lane l counts experts l * per .. l * per + per - 1 (in order, so
+            # the scan over lanes gives expert order); when 32 does not divide
+            # the experts, the last lanes' numbers past E hold no expert.
+            per = routing.candidates(experts)
+            partial = experts % routing.LANES != 0
             counts = cute.make_rmem_tensor(cute.make_layout((per,)), Int32)
             distinct = Int32(0)
             count = Int32(0)
             for j in cutlass.range_constexpr(per):
                 e = lane * per + j
                 n = Int32(0)
-                for w in cutlass.range_constexpr(words):
-                    n = n + Int32(cute.arch.popc(mask[words * e + w]))
+                if cutlass.const_expr(partial):
+                    for w in cutlass.range_constexpr(words):
+                        got = Int32(cute.arch.popc(mask[words * cutlass.min(e, experts - 1) + w]))
+                        n = n + (got if e < experts else Int32(0))
+                else:
+                    for w in cutlass.range_constexpr(words):
+                        n = n + Int32(cute.arch.popc(mask[words * e + w]))
                 counts[j] = n
                 count = count + counts[j]
                 distinct = distinct + gp.units_of(counts[j], self.group)
@@ -778,7 +787,11 @@ class GroupedCommon:
             for j in cutlass.range_constexpr(per):
                 e = lane * per + j
                 n = counts[j]
-                eoff[e] = start
+                if cutlass.const_expr(partial):
+                    if e < experts:
+                        eoff[e] = start
+                else:
+                    eoff[e] = start
                 # Experts of more than ``group`` tokens run as several units.
                 for i in cutlass.range(0, n, self.group, unroll=1):
                     uexp[unit] = e

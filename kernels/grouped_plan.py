@@ -42,6 +42,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from kernels import routing
 from kernels.smem import Regions, ceil_div
 from kernels.spec import Workspace
 from runtime.constants import MAX_TOKENS, SMEM_LIMIT, TILE
@@ -329,10 +330,7 @@ def plan_problems(hidden: int, inter: int, experts: int, top_k: int, tokens: int
                        f"hold K block and row tile indices in {KB_BITS} bits)")  # fmt: skip
     if 2 * inter // TILE >= 1 << TILE_BITS:
         reasons.append(f"inter {inter}: at most {(1 << TILE_BITS) // 2 - 1} blocks of 128")
-    if experts % 32:
-        reasons.append(f"experts {experts} must be a multiple of 32 (one warp ranks them)")
-    if not 1 <= top_k <= min(32, experts):
-        reasons.append(f"top_k {top_k} must be in 1..min(32, experts)")
+    reasons += routing.experts_problems(experts, top_k)
     if not 1 <= tokens <= MAX_TOKENS:
         reasons.append(f"tokens {tokens} outside 1..{MAX_TOKENS}")
     # The stage words hold this bucket's units (the counter blocks, sized for

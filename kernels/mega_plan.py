@@ -57,6 +57,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kernels import routing
 from kernels.smem import Regions
 from runtime.constants import RESIDENT_CLUSTERS, SMEM_LIMIT, SMEM_PER_SM, SMEM_RESERVED, TILE
 
@@ -67,8 +68,6 @@ STAGE_BYTES = TILE * TILE  # one 128 x 128 FP8 weight box
 #: ("shared_last") or in reverse order ("shared_last_reversed").
 ORDERS = ("shared_first", "shared_last", "shared_last_reversed")
 MEGA_TOKENS = 4  # the largest bucket the mega kernel serves
-MAX_EXPERTS = 1024  # 32 candidates per lane of the routing warp
-MAX_TOP_K = 32  # lane k of the routing warp holds route k
 
 
 @dataclass(frozen=True)
@@ -442,11 +441,7 @@ def problems(arch: str, hidden: int, inter: int, experts: int, top_k: int, token
         reasons.append(f"tokens {tokens}: the mega kernel serves 1..{MEGA_TOKENS}")
     if shared_experts not in (0, 1):
         reasons.append(f"shared_experts {shared_experts}: the mega kernel runs 0 or 1")
-    if experts % 32 or not 32 <= experts <= MAX_EXPERTS:
-        reasons.append(f"experts {experts}: the mega kernel routes a multiple of 32, at most "
-                       f"{MAX_EXPERTS} (32 candidates per lane)")  # fmt: skip
-    if not 1 <= top_k <= MAX_TOP_K:
-        reasons.append(f"top_k {top_k}: the mega kernel holds one route per lane (1..{MAX_TOP_K})")
+    reasons += routing.experts_problems(experts, top_k)
     if hidden % TILE or inter % TILE or hidden < TILE or inter < TILE:
         reasons.append(f"hidden {hidden}, inter {inter}: must be positive multiples of {TILE}")
         return reasons

@@ -9,11 +9,14 @@ Units: global addresses are ``Int64`` bytes; ``lane`` is the lane in the warp.
 
 from __future__ import annotations
 
+import math
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
 
 from kernels import ptx, routing
+from kernels.routing import LANES, candidates
 from runtime.constants import FP8_MAX
 
 SCALE_FLOOR = 1e-10  # amax floor of every quantization scale
@@ -93,21 +96,31 @@ def _route_keys(logits, bias, lane, experts: cutlass.Constexpr[int],
     ``ex2.approx.ftz`` makes a score below ~1e-38 of the best 0); the bias
     is added only when ``routing.bias``; with
     ``routing.limits_groups`` the keys outside the token's kept groups are
-    ``routing.MASKED_KEY`` (``_keep_groups``)."""
-    per = experts // 32
+    ``routing.MASKED_KEY`` (``_keep_groups``). When 32 does not divide
+    ``experts``, lanes past the end of the last row load expert E - 1 (an
+    address inside the row) and their candidate is dropped: score -inf
+    before a softmax (so e^ gives 0), key 0 ("no candidate")."""
+    per = candidates(experts)
+    tail = experts % LANES  # lanes with a candidate in the last row (0: all)
     scores = cute.make_rmem_tensor(cute.make_layout((per,)), Float32)
     offsets = cute.make_rmem_tensor(cute.make_layout((per,)), Float32)
     keys = cute.make_rmem_tensor(cute.make_layout((per,)), Uint32)
     # Every load first: interleaved with the sigmoids they would serialize.
     for j in cutlass.range_constexpr(per):
         expert = Int64(j * 32 + lane)
+        if cutlass.const_expr(tail and j == per - 1):
+            expert = Int64(cutlass.min(j * 32 + lane, experts - 1))
         if cutlass.const_expr(logits_bf16):
             scores[j] = ptx.bf16_low(ptx.ld_global_u16(logits + expert * 2))
         else:
             scores[j] = ptx.ld_global_f32(logits + expert * 4)
         if cutlass.const_expr(routing.bias):
             offsets[j] = ptx.ld_global_f32(bias + expert * 4)
+    if cutlass.const_expr(tail):
+        present = lane < tail
     if cutlass.const_expr(routing.score == "softmax"):
+        if cutlass.const_expr(tail):
+            scores[per - 1] = scores[per - 1] if present else Float32(-math.inf)
         top = scores[0]
         for j in cutlass.range_constexpr(1, per):
             top = ptx.fmax_nan(top, scores[j])
@@ -128,6 +141,10 @@ def _route_keys(logits, bias, lane, experts: cutlass.Constexpr[int],
             keys[j] = ptx.float_order_key(scores[j])
     if cutlass.const_expr(routing.limits_groups):
         _keep_groups(keys, lane, experts, routing.groups, routing.groups_kept)
+    # After the group stage, which counts no lane past E in any group but
+    # masks it as a dropped group's expert.
+    if cutlass.const_expr(tail):
+        keys[per - 1] = keys[per - 1] if present else Uint32(0)
     return scores, keys
 
 
@@ -259,8 +276,8 @@ def route_token(
     candidates sorted once, then per round ``redux.sync`` max of the lanes'
     heads and min expert among the lanes holding it); ``weight_k = s_k /
     sum_j s_j * scale`` (sum in selection order), or ``s_k * scale`` without
-    ``routing.renormalize``. Lane l holds experts l + 32 j, so ``experts``
-    must be a multiple of 32. Issue it after a ``griddepcontrol.wait`` that
+    ``routing.renormalize``. Lane l holds experts l + 32 j (any ``experts``
+    in ``routing.experts_problems``: the last row may be partial). Issue it after a ``griddepcontrol.wait`` that
     no branch goes around: the logits and the bias are read with weak
     loads, which ptxas keeps after such a wait (``ld.global.nc`` it moved
     across one, even an unconditional one; ``kernels/ptx/memory.py``), but

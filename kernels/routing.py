@@ -9,7 +9,9 @@ the lower group. Only the kept groups' experts can then be selected
 (``runtime.reference.selection_keys`` states the same rule in torch).
 
 The routing warp holds expert ``32 j + lane`` as candidate ``j`` of lane
-``lane``. The functions below run with one ``ops`` namespace per side:
+``lane`` (``candidates(E)`` per lane; when 32 does not divide E the last row
+is partial and its lanes past E hold key 0, "no candidate", which every rule
+below ranks under every real key). The functions below run with one ``ops`` namespace per side:
 
 * device (``kernels.moe_common``): values are the DSL's per-lane registers,
   ``ops.select`` is ``cutlass.select_``, ``ops.redux_max``/``redux_min`` are
@@ -25,12 +27,38 @@ CPU tests run the selection the cubins contain.
 
 from __future__ import annotations
 
+#: Lanes of the routing warp: candidate j of lane l is expert 32 j + l.
+LANES = 32
+#: Most routed experts a routing warp ranks (32 candidates per lane, held in
+#: registers through the selection).
+MAX_EXPERTS = 1024
+#: Most routes a routing warp holds (lane k holds route k).
+MAX_TOP_K = LANES
 #: Most expert groups a kernel's routing warp ranks (each group costs three
 #: warp reductions and the ranking ``groups**2`` comparisons).
 MAX_GROUPS = 32
 #: The order key of -inf (``ptx.float_order_key``): the key of an expert
 #: outside a token's kept groups, below every finite key and above "taken" (0).
 MASKED_KEY = 0x007FFFFF
+
+
+def candidates(experts: int) -> int:
+    """Candidates per lane of the routing warp for ``experts`` routed experts
+    (rows of 32; the last one partial when 32 does not divide ``experts``)."""
+    return -(-experts // LANES)
+
+
+def experts_problems(experts: int, top_k: int) -> list[str]:
+    """Why a routing warp cannot rank ``experts`` and hold ``top_k`` routes
+    (empty: it can); every kernel's plan states its shapes with this."""
+    reasons = []
+    if not 1 <= experts <= MAX_EXPERTS:
+        reasons.append(f"experts {experts}: the routing warp ranks 1..{MAX_EXPERTS} "
+                       f"({MAX_EXPERTS // LANES} candidates per lane)")  # fmt: skip
+    if not 1 <= top_k <= min(MAX_TOP_K, experts):
+        reasons.append(f"top_k {top_k}: the routing warp holds one route per lane, "
+                       f"1..min({MAX_TOP_K}, experts)")  # fmt: skip
+    return reasons
 
 
 def group_of(j: int, lane, size: int, ops):

@@ -30,16 +30,9 @@ def unsupported(kernel: str, arch: str, hidden: int, inter: int, experts: int,
 
 def _grouped(arch: str, hidden: int, inter: int, experts: int, top_k: int,
              tokens: int) -> list[str]:  # fmt: skip
-    reasons = []
-    if experts > 1024:
-        reasons.append(
-            f"experts {experts}: the grouped kernel routes at most 1024 experts per warp"
-        )
-    if top_k > 32:
-        reasons.append(f"top_k {top_k}: the grouped kernel writes one route per lane (<= 32)")
-    # The plan's stage words and tiling, and the arch kernel's shared memory
-    # at this bucket (the unit tables grow with it).
-    reasons += grouped_plan.plan_problems(hidden, inter, experts, top_k, tokens)
+    # The plan's routing warp, stage words and tiling, and the arch kernel's
+    # shared memory at this bucket (the unit tables grow with it).
+    reasons = grouped_plan.plan_problems(hidden, inter, experts, top_k, tokens)
     if arch in grouped_plan.GATHERERS and not reasons:
         plan = grouped_plan.GroupedPlan(hidden, inter, experts, top_k, tokens, 1, arch=arch)
         try:

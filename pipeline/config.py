@@ -275,8 +275,8 @@ def _model(m: dict, bad) -> MoEShape | None:
         if m[key] <= 0 or m[key] % TILE:
             bad(f"model.{key}", f"must be a positive multiple of {TILE}, got {m[key]}")
             ok = False
-    if m["experts"] <= 0 or m["experts"] % 32:
-        bad("model.experts", f"must be a positive multiple of 32, got {m['experts']}")
+    if m["experts"] <= 0:
+        bad("model.experts", f"must be positive, got {m['experts']}")
         ok = False
     if not 1 <= m["top_k"] <= max(m["experts"], 1):
         bad("model.top_k", f"must be in 1..experts ({m['experts']}), got {m['top_k']}")

@@ -636,8 +636,8 @@ def test_layout_contract_catches_a_short_region():
 
 
 def test_plan_refuses_unservable_shapes():
-    with pytest.raises(ValueError, match="multiple of 32"):
-        gp.GroupedPlan(4096, 512, 100, 8, 64, 132)
+    with pytest.raises(ValueError, match="ranks 1..1024"):
+        gp.GroupedPlan(4096, 512, 1056, 8, 64, 132)
     with pytest.raises(ValueError, match="tokens"):
         gp.GroupedPlan(4096, 512, 288, 8, MAX_TOKENS + 1, 132)
     with pytest.raises(ValueError, match="positive multiples of 128"):
@@ -663,8 +663,9 @@ def test_shape_rules_name_the_plan_limits(monkeypatch):
 
     assert unsupported("grouped", "sm_90a", 4096, 512, 288, 8, 64) == []
     assert unsupported("grouped", "sm_90a", 5120, 384, 160, 8, 64) == []
-    reasons = unsupported("grouped", "sm_90a", 4096, 320, 100, 8, 64)
-    assert any("inter 320" in r for r in reasons) and any("experts 100" in r for r in reasons)
+    assert unsupported("grouped", "sm_90a", 1536, 512, 40, 8, 64) == []  # a partial row of 32
+    reasons = unsupported("grouped", "sm_90a", 4096, 320, 1056, 8, 64)
+    assert any("inter 320" in r for r in reasons) and any("experts 1056" in r for r in reasons)
     # Both archs' layouts at the bucket: a 32-route shape whose tables fill
     # sm_100a's shared memory at 224 tokens and sm_90a's at 192.
     assert unsupported("grouped", "sm_100a", 2176, 896, 512, 32, 192) == []

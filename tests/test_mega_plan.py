@@ -15,6 +15,7 @@ import itertools
 import pytest
 
 from kernels import mega_plan as mp
+from kernels import routing
 from runtime.constants import SMEM_LIMIT, TILE
 
 GLM5 = {"hidden": 4096, "inter": 512, "experts": 288, "top_k": 8}
@@ -226,13 +227,14 @@ def test_dsmem_bytes_match_the_expected_transactions():
         ("sm_90a", {"inter": 1152}, "cluster of at most 16"),
         ("sm_90a", {"hidden": 8320, "inter": 256}, "hidden/128 K blocks in 8..64"),
         ("sm_90a", {"hidden": 896, "inter": 128}, "hidden/128 K blocks in 8..64"),
-        ("sm_90a", {"experts": 100}, "multiple of 32"),
+        ("sm_90a", {"experts": 1056}, "ranks 1..1024"),
         ("sm_90a", {"top_k": 33}, "one route per lane"),
+        ("sm_90a", {"experts": 6, "top_k": 8}, "min(32, experts)"),
         ("sm_90a", {"inter": 1000}, "multiples of 128"),
         ("sm_100a", {"inter": 1152}, "cluster of at most 16"),
         ("sm_100a", {"hidden": 8320}, "hidden/128 K blocks in 8..64"),
         ("sm_100a", {"hidden": 8064, "inter": 128}, "TMEM columns"),
-        ("sm_100a", {"experts": 2048}, "at most 1024"),
+        ("sm_100a", {"experts": 2048}, "ranks 1..1024"),
     ],
 )
 def test_refusals_name_the_rule(arch, shape, words):
@@ -299,7 +301,7 @@ def test_sm90_hands_the_producer_warps_routing_over_in_shared_memory():
     shared memory for the MMA warps: one u32 and top_k FP32 words, inside the
     layout and apart from every other region; sm_100a has neither."""
     for shape in SHAPES["sm_90a"]:
-        for top_k in (1, 8, mp.MAX_TOP_K):
+        for top_k in (1, 8, routing.MAX_TOP_K):
             p = plan("sm_90a", tokens=2, sms=132, **{**shape, "top_k": top_k})
             sizes, offsets = p.regions.sizes, p.regions.offsets
             assert sizes["pick"] == 4 and sizes["route_weights"] == 4 * top_k

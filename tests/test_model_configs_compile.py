@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 
 import pytest
-from sass_tools import compile_specs
+from sass_tools import compile_specs, cuobjdump, loads_before_pdl_wait
 
 from pipeline.config import ConfigError, load_config
 from pipeline.variants import expand
@@ -42,8 +42,9 @@ def test_every_model_config_builds():
 
 #: Shapes no config ships, at the edges of what the kernels serve (an odd K
 #: extent of hidden and of inter, 14- and 16-CTA mega clusters, top-32 of 512
-#: experts in groups, top-2 without a shared expert, softmax with a bias): each
-#: also ran on the H200 against the float64 reference at M = 1..200
+#: experts in groups, top-2 without a shared expert, softmax with a bias, and
+#: routed experts that 32 does not divide: 40 with softmax, 60 in 3 groups of
+#: 20): each also ran on the H200 against the float64 reference
 #: (docs/notes/models-h200.md, "Shapes outside the seven configs").
 EDGE_SHAPES = {
     "h1152-i384-softmax-bias": dict(hidden=1152, inter=384, experts=32, top_k=4,
@@ -55,6 +56,11 @@ EDGE_SHAPES = {
     "h1024-i1024-top2-routed": dict(hidden=1024, inter=1024, experts=64, top_k=2,
                                     shared_experts=0, score="sigmoid", bias=True,
                                     renormalize=False),
+    "h1536-i512-e40-softmax": dict(hidden=1536, inter=512, experts=40, top_k=8,
+                                   shared_experts=0, score="softmax", bias=False),
+    "h2048-i768-e60-groups": dict(hidden=2048, inter=768, experts=60, top_k=4,
+                                  shared_experts=1, score="sigmoid", bias=True, groups=3,
+                                  groups_kept=2, routed_scale=2.5),
 }  # fmt: skip
 
 
@@ -95,7 +101,8 @@ def test_edge_shapes_compile(tmp_path, name, arch):
 def check_one_variant_of_each_kernel(tmp_path, name, config, arch):
     """Compiles the grouped M = 8 finalize and mega M = 1 variants (BF16
     logits) of ``config`` for ``arch`` and checks their clamp, ABI and bias
-    read against the model."""
+    read against the model, and that every global load of their SASS comes
+    after the PDL wait on every path (the routing's loads differ by shape)."""
     chosen = [v for v in expand(config, archs=[arch])
               if v.logits_dtype == "bfloat16" and ((v.kernel == "grouped" and v.tokens == 8
                                                     and v.finalize)
@@ -117,3 +124,4 @@ def check_one_variant_of_each_kernel(tmp_path, name, config, arch):
         bias = names.index("bias")
         reads = re.search(rf"_param_{bias}\]", ptx) is not None
         assert reads == config.model.bias, (name, v.name)
+        assert loads_before_pdl_wait(cuobjdump(), tmp_path / f"{v.name}.cubin") == [], v.name

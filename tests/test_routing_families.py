@@ -250,7 +250,7 @@ def brute_force_route(scores, bias, top_k, scale, groups, kept, renormalize):
 
 
 def _random_family(rng: random.Random) -> dict:
-    experts = rng.choice([8, 16, 32, 64])
+    experts = rng.choice([8, 16, 32, 40, 60, 64, 72])
     score = rng.choice(["sigmoid", "softmax"])
     bias = rng.random() < 0.7
     divisors = [g for g in (1, 2, 4, 8) if experts % g == 0 and experts // g >= 2]

@@ -64,9 +64,12 @@ def device_allowed(keys_f: torch.Tensor, groups: int, kept: int) -> torch.Tensor
     warp holds them: candidate j of lane l is expert 32 j + l)."""
     experts = keys_f.numel()
     lane = torch.arange(LANES, dtype=torch.int64)
-    keys = [order_key(keys_f[32 * j : 32 * j + 32]) for j in range(experts // 32)]
+    rows = routing.candidates(experts)
+    # A partial last row: its lanes past E load expert E - 1, as the device's do.
+    held = torch.cat([keys_f, keys_f[-1:].expand(rows * LANES - experts)])
+    keys = [order_key(held[32 * j : 32 * j + 32]) for j in range(rows)]
     out = routing.keep_groups(keys, lane, experts, groups, kept, MASKED_KEY, HostWarp)
-    return torch.cat(out) != MASKED_KEY
+    return torch.cat(out)[:experts] != MASKED_KEY
 
 
 def reference_allowed(keys_f: torch.Tensor, groups: int, kept: int) -> torch.Tensor:
@@ -87,8 +90,10 @@ def test_order_key_round_trip():
 
 @pytest.mark.parametrize(
     "experts,groups,kept",
-    [(256, 8, 4), (288, 8, 4), (64, 4, 1), (384, 8, 3), (384, 4, 2), (128, 32, 5), (96, 3, 2)],
-)
+    [(256, 8, 4), (288, 8, 4), (64, 4, 1), (384, 8, 3), (384, 4, 2), (128, 32, 5), (96, 3, 2),
+     # 32 does not divide E: the last row is partial.
+     (40, 4, 2), (60, 3, 1), (200, 8, 3), (72, 2, 1), (100, 5, 2), (20, 2, 1)],
+)  # fmt: skip
 def test_random_tokens_match_the_reference(experts, groups, kept):
     gen = seeding.generator()
     for _ in range(40):
@@ -134,3 +139,15 @@ def test_all_groups_tied_keeps_the_lowest():
     allowed = device_allowed(keys, 8, 3)
     assert torch.equal(allowed, torch.arange(256) < 96)
     assert torch.equal(allowed, reference_allowed(keys, 8, 3))
+
+
+def test_a_partial_rows_padding_is_in_no_group():
+    # 40 experts in 4 groups of 10: lanes 8..31 of the second row hold copies
+    # of expert 39. Counted in group 3, the copy would make its score
+    # 0.9 + 0.9 and keep it over group 0 (0.7 + 0.7); group 3 is 0.9 + 0.1.
+    keys = torch.full((40,), 0.1)
+    keys[0] = keys[1] = 0.7
+    keys[39] = 0.9
+    want = torch.arange(40) < 10
+    assert torch.equal(device_allowed(keys, 4, 1), want)
+    assert torch.equal(reference_allowed(keys, 4, 1), want)
