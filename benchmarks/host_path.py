@@ -18,7 +18,8 @@ fill, the capture and context bookkeeping. It leaves out what the faked calls
 cost on a GPU machine (``cuLaunchKernelEx`` and the other driver calls
 through cuda.bindings, torch's stream and capture queries), CUDA's caching
 allocator (here torch's CPU allocator), and the CUDA kernel launches of
-padding (two torch ops when M is not a bucket). ``benchmarks.host_profile``
+padding (two torch ops when M is not a bucket and its variant does not take
+``valid``: the mega kernel, grouped builds from before it). ``benchmarks.host_profile``
 measures the whole path on a GPU.
 
 For each M: the median and the minimum over ``--repeats`` runs of
@@ -154,7 +155,7 @@ def _variant(kernel, tokens, dtype, finalize, params, maps, workspace) -> Varian
     return Variant(
         name=name, kernel=kernel, arch="sm_90a", tokens=tokens, logits_dtype=dtype,
         finalize=finalize, sms=132, entry=f"moe_{kernel}_0",
-        params=tuple((p, "pointer") for p in params), tensor_maps=tuple(maps),
+        params=tuple((p, abi.param_kind(p)) for p in params), tensor_maps=tuple(maps),
         launch=Launch((132, 1, 1), (256, 1, 1), None, 0, True), workspace=workspace,
         sha256="0" * 64, cubin=b"",
     )  # fmt: skip

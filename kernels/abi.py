@@ -6,7 +6,8 @@ tests that check a variant's recorded parameters.
 ``kernels.spec.PARAMETER_NAMES``); ``fake_arguments`` turns a list of names
 into the DSL's static-shaped stand-ins (it imports cutlass when called).
 Dtype names: ``uint8``, ``int32``, ``float32``, ``bfloat16``; ``logits`` takes
-the variant's logits dtype. Byte alignment 16, the maps buffer 64.
+the variant's logits dtype. Byte alignment 16, the maps buffer 64. The
+names in ``SCALAR_PARAMS`` are 32-bit integers, not tensors (kind ``i32``).
 """
 
 from __future__ import annotations
@@ -22,17 +23,25 @@ MEGA_MAPS = ("w13", "w2", "s13", "s2")
 MEGA_ROUTED_PARAMS = tuple(p for p in MEGA_PARAMS if p not in ("s13_scale", "s2_scale",
                                                                 "shared_out"))  # fmt: skip
 MEGA_ROUTED_MAPS = ("w13", "w2")
-#: The grouped kernel's (both archs; every one a pointer), with the shared
-#: expert and routed only.
+#: The grouped kernel's (both archs; every one a pointer but ``valid``), with
+#: the shared expert and routed only.
 GROUPED_PARAMS = (
     "maps", "w13_scale", "w2_scale", "s13_scale", "s2_scale", "s13", "s2", "x", "logits",
     "bias", "rows", "out", "shared_out", "final", "ids", "weights", "plan_x", "plan_s",
-    "hidden", "hscale", "partial", "counters",
+    "hidden", "hscale", "partial", "counters", "valid",
 )  # fmt: skip
 GROUPED_MAPS = ("w13", "w2", "s13", "s2")
 GROUPED_ROUTED_PARAMS = tuple(p for p in GROUPED_PARAMS if p not in ("s13_scale", "s2_scale",
                                                                       "s13", "s2", "shared_out"))  # fmt: skip
 GROUPED_ROUTED_MAPS = ("w13", "w2")
+#: Parameters that are 32-bit integers (kind ``i32``): ``valid``, the rows of
+#: x and logits a call holds (1..M; the runtime writes it at every call).
+SCALAR_PARAMS = ("valid",)
+
+
+def param_kind(name: str) -> str:
+    """``i32`` for a name of ``SCALAR_PARAMS``, else ``pointer``."""
+    return "i32" if name in SCALAR_PARAMS else "pointer"
 
 
 def shapes(hidden: int, inter: int, experts: int, top_k: int, tokens: int, maps: int,
@@ -78,6 +87,9 @@ def fake_arguments(names, hidden: int, inter: int, experts: int, top_k: int, tok
     table = shapes(hidden, inter, experts, top_k, tokens, maps, logits_dtype, workspace)
     out = []
     for name in names:
+        if name in SCALAR_PARAMS:
+            out.append(cutlass.Int32(tokens))  # a dynamic i32: any value compiles alike
+            continue
         dtype, shape, align = table[name]
         out.append(make_fake_compact_tensor(dtypes[dtype], shape, assumed_align=align))
     return out

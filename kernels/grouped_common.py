@@ -56,7 +56,9 @@ Phases of a call, and what each waits on:
    ``griddepcontrol.wait`` (the previous call's grid has finished).
 2. ``start_call``: CTA t < M routes token t (warp 0) and quantizes it (the
    epilogue group), and where the bucket exceeds the grid tokens t + grid,
-   t + 2 grid, ... too; thread 32 reads the call counter (parity =
+   t + 2 grid, ... too (token t reads x and logits row min(t, valid - 1):
+   the i32 ``valid`` is the rows the caller passed, so a call below its
+   bucket needs no padded copy); thread 32 reads the call counter (parity =
    ``call_parity``); ``__syncthreads``; every CTA zeroes its ``zero_share``
    of the other parity's counters; thread 0 of CTA t < M counts its tokens
    on the ready word (release), and thread 0 of every CTA waits (acquire)
@@ -86,7 +88,8 @@ Phases of a call, and what each waits on:
    counter.
 5. ``end_call``, after a ``__syncthreads`` (every role is through its
    stages): with the finalize, every CTA releases the finished counter and
-   waits (acquire) for all ``grid``, then sums its share of tokens; thread 0
+   waits (acquire) for all ``grid``, then sums its share of the ``valid``
+   tokens into ``final`` (rows past them are never written); thread 0
    counts the call (``atom.inc``, ``call_limit``).
 
 Every cross-CTA wait polls with a ``%globaltimer`` bound and traps after
@@ -116,6 +119,7 @@ from kernels.abi import (
     GROUPED_ROUTED_MAPS,
     GROUPED_ROUTED_PARAMS,
     fake_arguments,
+    param_kind,
 )
 from kernels.build_common import compile_entry, launch_named
 from kernels.grouped_plan import (
@@ -451,12 +455,12 @@ class GroupedCommon:
                  final: cute.Tensor, ids: cute.Tensor, weights: cute.Tensor,
                  plan_x: cute.Tensor, plan_s: cute.Tensor, hidden: cute.Tensor,
                  hscale: cute.Tensor, partial: cute.Tensor, counters: cute.Tensor,
-                 stream):  # fmt: skip
+                 valid: Int32, stream):  # fmt: skip
         """Launch with the shared expert (``grouped_common.PARAMS``)."""
         launch_named(self, self.kernel,
                      (maps, w13_scale, w2_scale, s13_scale, s2_scale, s13, s2, x, logits, bias,
                       rows, out, shared_out, final, ids, weights, plan_x, plan_s, hidden, hscale,
-                      partial, counters), stream)  # fmt: skip
+                      partial, counters, valid), stream)  # fmt: skip
 
     @cute.jit
     def routed_only(self, maps: cute.Tensor, w13_scale: cute.Tensor, w2_scale: cute.Tensor,
@@ -464,11 +468,11 @@ class GroupedCommon:
                     out: cute.Tensor, final: cute.Tensor, ids: cute.Tensor,
                     weights: cute.Tensor, plan_x: cute.Tensor, plan_s: cute.Tensor,
                     hidden: cute.Tensor, hscale: cute.Tensor, partial: cute.Tensor,
-                    counters: cute.Tensor, stream):  # fmt: skip
+                    counters: cute.Tensor, valid: Int32, stream):  # fmt: skip
         """Launch without a shared expert (``grouped_common.ROUTED_PARAMS``)."""
         launch_named(self, self.kernel_routed,
                      (maps, w13_scale, w2_scale, x, logits, bias, rows, out, final, ids, weights,
-                      plan_x, plan_s, hidden, hscale, partial, counters), stream)  # fmt: skip
+                      plan_x, plan_s, hidden, hscale, partial, counters, valid), stream)  # fmt: skip
 
     @cute.kernel
     def kernel(self, maps: cute.Tensor, w13_scale: cute.Tensor, w2_scale: cute.Tensor,
@@ -477,12 +481,13 @@ class GroupedCommon:
                rows: cute.Tensor, out: cute.Tensor, shared_out: cute.Tensor,
                final: cute.Tensor, ids: cute.Tensor, weights: cute.Tensor,
                plan_x: cute.Tensor, plan_s: cute.Tensor, hidden: cute.Tensor,
-               hscale: cute.Tensor, partial: cute.Tensor, counters: cute.Tensor):  # fmt: skip
+               hscale: cute.Tensor, partial: cute.Tensor, counters: cute.Tensor,
+               valid: Int32):  # fmt: skip
         self.body(
             maps, w13_scale, w2_scale, s13_scale.iterator.toint(), s2_scale.iterator.toint(),
             s13.iterator.toint(), s2.iterator.toint(), x, logits, bias, rows, out,
             shared_out.iterator.toint(), final, ids, weights, plan_x, plan_s, hidden, hscale,
-            partial, counters,
+            partial, counters, valid,
         )  # fmt: skip
 
     @cute.kernel
@@ -491,11 +496,11 @@ class GroupedCommon:
                       rows: cute.Tensor, out: cute.Tensor, final: cute.Tensor,
                       ids: cute.Tensor, weights: cute.Tensor, plan_x: cute.Tensor,
                       plan_s: cute.Tensor, hidden: cute.Tensor, hscale: cute.Tensor,
-                      partial: cute.Tensor, counters: cute.Tensor):  # fmt: skip
+                      partial: cute.Tensor, counters: cute.Tensor, valid: Int32):  # fmt: skip
         none = Int64(0)  # no shared expert: never read
         self.body(
             maps, w13_scale, w2_scale, none, none, none, none, x, logits, bias, rows, out, none,
-            final, ids, weights, plan_x, plan_s, hidden, hscale, partial, counters,
+            final, ids, weights, plan_x, plan_s, hidden, hscale, partial, counters, valid,
         )  # fmt: skip
 
     @cute.jit
@@ -543,9 +548,10 @@ class GroupedCommon:
 
     @cute.jit
     def route(self, logits: Int64, bias: Int64, ids: Int64, weights: Int64, token: Int32,
-              lane: Int32):  # fmt: skip
-        """One warp: top-k of ``token`` into ``ids`` / ``weights`` (row token)."""
-        expert, weight = self.route_of(logits, bias, token, lane)
+              lane: Int32, last: Int32):  # fmt: skip
+        """One warp: top-k of ``token`` into ``ids`` / ``weights`` (row token;
+        ``last`` as in ``route_of``)."""
+        expert, weight = self.route_of(logits, bias, token, lane, last)
         if lane < self.top_k:
             self.store_route(ids, weights, token * self.top_k + lane, expert, weight)
 
@@ -555,23 +561,24 @@ class GroupedCommon:
         ptx.st_global_u32(ids + Int64(route) * 4, Uint32(expert))
         ptx.st_global_f32(weights + Int64(route) * 4, weight)
 
-    def route_of(self, logits: Int64, bias: Int64, token, lane: Int32):
+    def route_of(self, logits: Int64, bias: Int64, token, lane: Int32, last: Int32):
         """One warp: ``moe_common.route_token`` of ``token`` (lane k < top_k:
-        route k's expert and weight)."""
+        route k's expert and weight), from logits row ``min(token, last)``
+        (``start_call``: a token past the call's rows repeats its last)."""
         esize = 2 if self.logits_bf16 else 4
-        row = logits + Int64(token) * (self.experts * esize)
+        row = logits + Int64(cutlass.min(token, last)) * (self.experts * esize)
         return mc.route_token(
             row, bias, lane, self.experts, self.top_k, self.scale, self.logits_bf16, self.routing
         )
 
     @cute.jit
     def route_local(self, t: Tables, logits: Int64, bias: Int64, ids: Int64, weights: Int64,
-                    token: Int32, lane: Int32, cta: Int32):  # fmt: skip
+                    token: Int32, lane: Int32, cta: Int32, last: Int32):  # fmt: skip
         """One warp of any CTA (``plan.local_routing``): top-k of ``token``
         into this CTA's ``picks``; CTA ``token`` also stores them in ``ids`` /
         ``weights`` (every CTA computes the same bits: the same code on the
         same inputs, no atomics)."""
-        expert, weight = self.route_of(logits, bias, token, lane)
+        expert, weight = self.route_of(logits, bias, token, lane, last)
         picks = t.picks
         if lane < self.top_k:
             route = token * self.top_k + lane
@@ -580,10 +587,11 @@ class GroupedCommon:
                 self.store_route(ids, weights, route, expert, weight)
 
     @cute.jit
-    def quantize(self, x: Int64, plan_x: Int64, plan_s: Int64, token: Int32, e: Int32):
-        """The epilogue group: FP8 per 128 columns of ``token`` into the plan
-        (codes [token, H], scales [token, H/128]); four threads per 128
-        columns, 32 values each."""
+    def quantize(self, x: Int64, plan_x: Int64, plan_s: Int64, token: Int32, e: Int32,
+                 last: Int32):  # fmt: skip
+        """The epilogue group: FP8 per 128 columns of x row ``min(token,
+        last)`` into the plan's row ``token`` (codes [token, H], scales
+        [token, H/128]); four threads per 128 columns, 32 values each."""
         chunks = self.hidden // 32
         for i in cutlass.range_constexpr((chunks + EPILOGUE_THREADS - 1) // EPILOGUE_THREADS):
             c = e + i * EPILOGUE_THREADS
@@ -591,7 +599,7 @@ class GroupedCommon:
             values = cute.make_rmem_tensor(cute.make_layout((32,)), Float32)
             for v in cutlass.range_constexpr(32):
                 values[v] = Float32(0.0)
-            source = x + (Int64(token) * self.hidden + Int64(c) * 32) * 2
+            source = x + (Int64(cutlass.min(token, last)) * self.hidden + Int64(c) * 32) * 2
             if active:
                 for h in cutlass.range_constexpr(4):
                     mc.load_bf16x8(source + h * 16, values, 8 * h)
@@ -613,7 +621,7 @@ class GroupedCommon:
     @cute.jit
     def start_call(self, t: Tables, counters: Int64, logits: Int64, bias: Int64, ids: Int64,
                    weights: Int64, x: Int64, plan_x: Int64, plan_s: Int64, cta: Int32,
-                   tid: Int32, warp: Int32, lane: Int32):  # fmt: skip
+                   tid: Int32, warp: Int32, lane: Int32, valid: Int32):  # fmt: skip
         """After the PDL wait: CTA c routes and quantizes tokens c, c + grid, ...
         (token c alone where M <= grid); every CTA
         learns its call parity, zeroes its slice of the other parity's counters
@@ -621,7 +629,14 @@ class GroupedCommon:
         ``plan.local_routing``: CTA c < M quantizes token c and counts it,
         every CTA routes every token into its ``picks``, and no thread waits
         (the gatherers do, ``await_tokens``). Returns this call's counter
-        block."""
+        block.
+
+        ``valid``: the rows of x and logits the call holds (1..M, the
+        ``valid`` parameter). Every one of the bucket's M tokens is routed
+        and quantized; token t >= valid reads row valid - 1, so the call
+        computes what it would for inputs padded by repeating their last row
+        (``runtime.plan.pad_rows``) and reads no row past valid - 1."""
+        last = cutlass.max(valid - 1, 0)
         words = self.counters.words
         calls = counters + self.counters.calls * 4
         scal = t.scal
@@ -641,7 +656,7 @@ class GroupedCommon:
                     # The call counter again (thread 32's copy in ``scal`` is
                     # not synchronized yet), in flight while quantizing.
                     called = Int32(ptx.ld_global_cg_u32(calls))
-                    self.quantize(x, plan_x, plan_s, cta, e)
+                    self.quantize(x, plan_x, plan_s, cta, e, last)
                     if cutlass.const_expr(self.stamps):
                         if e == 0:
                             self.stamp(t, "quantized")
@@ -651,7 +666,7 @@ class GroupedCommon:
                         ready = self.parity_block(counters, gp.call_parity(called, self.grid))
                         ptx.red_add_release_gpu_u32(ready, Uint32(1))
             if warp < self.tokens:
-                self.route_local(t, logits, bias, ids, weights, warp, lane, cta)
+                self.route_local(t, logits, bias, ids, weights, warp, lane, cta, last)
                 if cutlass.const_expr(self.stamps):
                     if tid == 0:
                         self.stamp(t, "route_done")
@@ -660,12 +675,12 @@ class GroupedCommon:
         elif cutlass.const_expr(self.tokens <= self.grid):
             if cta < self.tokens:
                 if warp == 0:
-                    self.route(logits, bias, ids, weights, cta, lane)
+                    self.route(logits, bias, ids, weights, cta, lane, last)
                     if cutlass.const_expr(self.stamps):
                         if lane == 0:
                             self.stamp(t, "route_done")
                 elif warp >= self.EPILOGUE_WARP:
-                    self.quantize(x, plan_x, plan_s, cta, tid - self.EPILOGUE_WARP * 32)
+                    self.quantize(x, plan_x, plan_s, cta, tid - self.EPILOGUE_WARP * 32, last)
                     if cutlass.const_expr(self.stamps):
                         if tid == self.EPILOGUE_WARP * 32:
                             self.stamp(t, "quantized")
@@ -675,9 +690,9 @@ class GroupedCommon:
             # tokens c, c + grid, ...
             for token in cutlass.range(cta, self.tokens, self.grid, unroll=1):
                 if warp == 0:
-                    self.route(logits, bias, ids, weights, token, lane)
+                    self.route(logits, bias, ids, weights, token, lane, last)
                 elif warp >= self.EPILOGUE_WARP:
-                    self.quantize(x, plan_x, plan_s, token, tid - self.EPILOGUE_WARP * 32)
+                    self.quantize(x, plan_x, plan_s, token, tid - self.EPILOGUE_WARP * 32, last)
             if cutlass.const_expr(self.stamps):  # after this CTA's last token
                 if tid == 0:
                     self.stamp(t, "route_done")
@@ -1192,9 +1207,11 @@ class GroupedCommon:
 
     @cute.jit
     def end_call(self, t: Tables, counters: Int64, mine: Int64, out: Int64, shared_out: Int64,
-                 final: Int64, weights: Int64, cta: Int32, tid: Int32):  # fmt: skip
-        """Every thread of the CTA: the finalize (once every CTA is through
-        FC2), then this CTA's count on the call counter."""
+                 final: Int64, weights: Int64, cta: Int32, tid: Int32,
+                 valid: Int32):  # fmt: skip
+        """Every thread of the CTA: the finalize of the call's ``valid``
+        tokens (once every CTA is through FC2), then this CTA's count on the
+        call counter."""
         if cutlass.const_expr(self.finalize):
             finished = mine + self.counters.finished * 4
             if tid == 0:
@@ -1204,7 +1221,7 @@ class GroupedCommon:
                 self.stamp(t, "finished")
             cute.arch.sync_threads()
             ptx.fence_acq_rel_gpu()
-            self.finish_tokens(out, shared_out, final, weights, cta, tid)
+            self.finish_tokens(out, shared_out, final, weights, cta, tid, valid)
         if tid == 0:
             ptx.atom_inc_relaxed_gpu_u32(
                 counters + self.counters.calls * 4, Uint32(gp.call_limit(self.grid))
@@ -1212,12 +1229,15 @@ class GroupedCommon:
 
     @cute.jit
     def finish_tokens(self, out: Int64, shared_out: Int64, final: Int64, weights: Int64,
-                      cta: Int32, tid: Int32):  # fmt: skip
+                      cta: Int32, tid: Int32, valid: Int32):  # fmt: skip
         """``final`` = the routes' rows weighted by their routing weights (FP32,
         top-k order) plus the shared expert's row (when the model has one),
-        eight columns a thread."""
+        eight columns a thread; rows 0..valid - 1 only (``valid`` clamped to
+        the bucket), so ``final`` may be a tensor of the call's rows (a
+        chunk's rows of the caller's output, ``runtime.chunks``)."""
         per_token = self.hidden // 8
-        for v in cutlass.range(cta * THREADS + tid, self.tokens * per_token, self.grid * THREADS,
+        rows = cutlass.min(cutlass.max(valid, 0), self.tokens)
+        for v in cutlass.range(cta * THREADS + tid, rows * per_token, self.grid * THREADS,
                                unroll=1):  # fmt: skip
             token = v // per_token
             column = Int64((v % per_token) * 8)
@@ -1277,7 +1297,7 @@ def compile_grouped(kernel: GroupedCommon, prefix: str, **notes) -> CompiledKern
     entry_point = kernel if kernel.shared_experts else kernel.routed_only
     cubin, ptx_text, entry = compile_entry(entry_point, args, prefix)
     return CompiledKernel(
-        cubin=cubin, entry=entry, params=tuple(Param(name, "pointer") for name in params),
+        cubin=cubin, entry=entry, params=tuple(Param(name, param_kind(name)) for name in params),
         launch=kernel.launch_shape(), tensor_maps=maps, workspace=spaces, ptx=ptx_text,
         notes=kernel.notes(**notes),
     )  # fmt: skip

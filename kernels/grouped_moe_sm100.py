@@ -117,10 +117,12 @@ class GroupedKernel(GroupedCommon):
     def body(
         self, maps, w13_scale, w2_scale, s13_scale, s2_scale, s13, s2, x, logits, bias, rows,
         out, shared_out, final, ids, weights, plan_x, plan_s, hidden, hscale, partial, counters,
+        valid,
     ):  # fmt: skip
         """The kernel: every parameter a ``cute.Tensor`` but the shared
         expert's (``s13_scale``, ``s2_scale``, ``s13``, ``s2``, ``shared_out``),
-        addresses (``Int64``; 0 in a variant without it, never read)."""
+        addresses (``Int64``; 0 in a variant without it, never read), and
+        ``valid`` (``Int32``: the rows of x and logits, ``start_call``)."""
         tid, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
@@ -165,7 +167,7 @@ class GroupedKernel(GroupedCommon):
         mine = self.start_call(
             t, counters.iterator.toint(), logits.iterator.toint(), bias.iterator.toint(),
             ids.iterator.toint(), weights.iterator.toint(), x.iterator.toint(),
-            plan_x.iterator.toint(), plan_s.iterator.toint(), cta, tid, warp, lane,
+            plan_x.iterator.toint(), plan_s.iterator.toint(), cta, tid, warp, lane, valid,
         )  # fmt: skip
         self.number_units(t, ids.iterator.toint(), tid, warp, lane, cta)
         unit_ready = mine + self.counters.unit_ready * 4
@@ -192,7 +194,7 @@ class GroupedKernel(GroupedCommon):
         tc.release_tmem(tmem, TMEM_COLUMNS, warp, MMA_WARP)
         self.end_call(
             t, counters.iterator.toint(), mine, out.iterator.toint(), shared_out,
-            final.iterator.toint(), weights.iterator.toint(), cta, tid,
+            final.iterator.toint(), weights.iterator.toint(), cta, tid, valid,
         )  # fmt: skip
         self.stamp_thread0(t, tid, gp.STAMP_POINTS.index("exit"))
 

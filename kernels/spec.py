@@ -45,6 +45,8 @@ PARAMETER_NAMES = {
     "hscale": "workspace: fp32 hidden scales of every unit",
     "partial": "workspace: fp32 FC1 partials",
     "counters": "workspace: int32 parity counters (zeroed once at allocation)",
+    "valid": "i32: rows of x and logits the call holds, 1..M (the grouped kernel: a token t "
+    ">= valid reads row valid - 1, as inputs padded by repeating their last row)",
     "arrivals": "workspace: int32 [M, cluster] arrival counts of the mega kernel's finalize "
     "(zeroed once at allocation; the last arriver of each call zeroes its word again)",
 }

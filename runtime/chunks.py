@@ -6,7 +6,8 @@ An empty batch (M = 0) is checked as any call and gives an empty output
 without a launch. ``chunk_plan(m, buckets)`` splits M >= 1 rows into pieces that one call each
 serves: M up to the largest bucket is one piece; above it, pieces
 of the largest bucket in row order, then one final piece of the remainder
-(which the layer pads up to its own bucket: ``runtime.plan``). So at most one
+(served at its own bucket: the grouped kernel takes its rows with
+``valid``, the mega kernel's are padded, ``runtime.plan``). So at most one
 piece is partial, and it is the last.
 
 ``run_chunked(layer, x, logits, bias)`` runs the plan into one preallocated
@@ -14,8 +15,10 @@ piece is partial, and it is the last.
 every full piece as one launch whose kernel reads the piece's rows of the
 caller's tensors and writes its rows of the output in place (no views, no
 copies, one host path for all of them), and the partial last piece so too
-where its rows are a bucket whose variant writes the output; any other
-piece (a partial one the layer pads, or every piece of a layer without
+where a variant that writes the output serves its rows so (at its own
+bucket, or a grouped variant that takes ``valid``, which reads and writes
+the piece's rows alone); any other
+piece (a partial one no variant serves so, or every piece of a layer without
 ``launch_rows``) is one layer call on a row slice of the caller's tensors,
 its BF16 result copied into the output. Only device ops and layer calls, no
 host sync: it can be captured in a CUDA graph (one graph per M, as for the
@@ -121,8 +124,10 @@ def run_chunked(layer, x, logits, bias, out: torch.Tensor | None = None) -> torc
     FP32 [E], all dense on the layer's device. ``out``: BF16 [M, H] to write
     the result into (default: a fresh tensor, or for a single piece the
     layer's own output). With ``layer.poison`` the output is NaN-filled first,
-    so rows no chunk wrote show. Row slices of dense rows stay dense and
-    aligned (H is a multiple of 128, E of 32), so each chunk passes the
+    so rows no chunk wrote show. Row slices of dense rows stay dense, and
+    aligned where a chunk's rows of logits are a multiple of 16 bytes (H is
+    a multiple of 128; chunks start at multiples of the largest bucket,
+    which a multiple of 8 makes so for any E), so each chunk passes the
     layer's checks as the whole call did. An M the layer's table serves in
     one launch goes straight to the layer, which checks the call itself
     (the torch op's common case: one check, no table sort)."""
@@ -146,8 +151,9 @@ def run_chunked(layer, x, logits, bias, out: torch.Tensor | None = None) -> torc
         out.fill_(float("nan"))
     # The full pieces, straight into their rows of ``out`` where the layer can
     # (``MoELayer.launch_rows``: no views, no copies), and so the partial
-    # last one where a variant serves its rows at its own bucket and writes
-    # the output; the rest, and every piece of a layer that cannot, one
+    # last one where a variant that writes the output serves its rows so (at
+    # its own bucket, or taking ``valid``); the rest, and every piece of a
+    # layer that cannot, one
     # layer call each and a copy.
     direct = getattr(layer, "launch_rows", None)
     full = [start for start, rows in pieces if rows == largest]

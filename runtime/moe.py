@@ -15,7 +15,8 @@ at an OUTPUT_ALIGN-byte offset), or, for a call that returns only the MoE
 output of a variant that writes it (``layer(...)``, ``grouped(...,
 finalize=True)``), only ``final``, the other outputs going to a scratch
 buffer of the stream's (``Workspaces.scratch``: the kernel writes and reads
-them itself); and, when M is not a bucket, the padded
+them itself); and, when M is not a bucket and the variant does not take
+``valid`` (the mega kernel, grouped builds from before it), the padded
 inputs (one gather each, ``runtime.plan.pad_rows``); workspaces are made on a
 stream's first call, outside any capture. So a layer can be captured in a
 CUDA graph and replayed. A captured launch makes the graph hold the layer
@@ -33,7 +34,7 @@ whether the outputs go to the scratch) a ``CallPlan`` holds the parameter
 block filled once with every value that does not change between calls (the
 weights' and row tables' addresses, the tensor maps, the stream's workspaces
 and scratch, i32 scalars); a call writes only the addresses of x, logits,
-bias and its output block (or ``final``). The driver's capture
+bias and its output block (or ``final``), and ``valid``. The driver's capture
 query runs only when ``runtime.graphs.capture_possible`` cannot rule a
 capture out, and the device's context is pushed only when it is not current
 already.
@@ -69,8 +70,12 @@ from runtime.plan import Step, bucket_for, default_table, pad_rows, pad_sources
 
 #: i32 parameters the runtime knows how to fill, from (bucket, top_k).
 SCALARS = {"tokens": lambda m, k: m, "routes": lambda m, k: m * k}
+#: The i32 parameter a call writes: the rows of x and logits it passes
+#: (``kernels.abi.SCALAR_PARAMS``); a variant with it reads no row past them,
+#: so an M below the bucket is launched unpadded (``MoELayer._run``).
+VALID = "valid"
 #: Pointer parameters whose values change with every call: the caller's
-#: inputs (padded to the bucket) ...
+#: inputs (padded to the bucket, or M rows with ``VALID``) ...
 INPUTS = ("x", "logits", "bias")
 #: ... and the outputs, views of the call's block (``OutputLayout``).
 OUTPUTS = ("out", "ids", "weights", "shared_out", "final")
@@ -114,6 +119,8 @@ class MoELayer:
         self.variants = {v.name: v for v in artifact.variants}
         #: Variants that write the MoE output ``final`` themselves (``writes_final``).
         self.final_writers = {v.name for v in artifact.variants if writes_final(v)}
+        #: Variants that read only a call's rows (``VALID``): no padded copy.
+        self.unpadded = {v.name for v in artifact.variants if takes_valid(v)}
         self.maps = {}
         for v in artifact.variants:
             if v.tensor_maps not in self.maps:
@@ -253,16 +260,19 @@ class MoELayer:
         return self.buckets[(step.kernel, dtype)][step.bucket][step.finalize]
 
     def _run(self, variant, x, logits, bias, m: int, final_only: bool = False):
-        """Pads x and logits (M rows) to ``variant``'s bucket, allocates the
-        call's output block (and ``final``, when the variant writes it) and
-        launches; returns (block, its layout); ``layout.view(block, "final")``
+        """Pads x and logits (M rows) to ``variant``'s bucket, unless the
+        variant reads only the call's rows (``unpadded``: it takes ``valid``
+        = M, and its tokens past M repeat row M - 1 as padding would),
+        allocates the call's output block (and ``final``, when the variant
+        writes it: M rows where it takes ``valid``) and launches; returns (block, its layout); ``layout.view(block, "final")``
         then gives ``final``. ``final_only``: the caller returns only
         ``final``; a variant that writes it then gets only ``final`` as a
         tensor of the call, its other outputs going to the stream's scratch
         (one allocation a call instead of two; not with ``poison``, whose
         fills check every output)."""
         bucket = variant.tokens
-        if m != bucket:
+        unpadded = m != bucket and variant.name in self.unpadded
+        if m != bucket and not unpadded:
             source = self._pad.get((m, bucket))
             if source is None:  # a view of the table made at bind: no device work
                 source = self._pad[(m, bucket)] = self._sources[m - 1, :bucket]
@@ -270,7 +280,8 @@ class MoELayer:
         layout = self.layouts[variant.name]
         scratch = final_only and not self.poison and variant.name in self.final_writers
         if scratch:
-            block = layout.allocate_final(self.device)
+            # A variant that takes ``valid`` writes only the call's rows of final.
+            block = layout.allocate_final(self.device, m if unpadded else None)
         else:
             block = layout.allocate(self.device)
             if self.poison:
@@ -281,7 +292,8 @@ class MoELayer:
     def _launch(self, variant, x, logits, bias, block, scratch: bool = False,
                 rows=None) -> None:  # fmt: skip
         """Launches ``variant`` on torch's current stream of the layer's
-        device: ``x`` and ``logits`` at the bucket's rows, ``block`` the
+        device: ``x`` and ``logits`` at the bucket's rows (M rows where the
+        variant takes ``valid``), ``block`` the
         call's output block (``self.layouts[variant.name]``; with ``scratch``
         only its ``final``, the other outputs going to the stream's scratch);
         with ``rows`` (``_launch_rows``), one launch per chunk (``_issue``)."""
@@ -305,9 +317,9 @@ class MoELayer:
                rows=None) -> None:  # fmt: skip
         """One launch of ``plan`` (``rows`` None: ``x``, ``logits``, ``bias``
         and the output ``block``), or with ``rows`` = (starts, row bytes of x,
-        logits and the output) one launch per start at those rows of x,
-        logits and the output tensor ``block``; with ``capturing``, the
-        layer held by the graph being captured first."""
+        logits and the output, the rows of a chunk) one launch per start at
+        those rows of x, logits and the output tensor ``block``; with
+        ``capturing``, the layer held by the graph being captured first."""
         if capturing:
             # A graph being captured keeps this layer (weights, rows, maps,
             # the artifact's workspaces and libraries) alive: runtime.graphs.
@@ -315,45 +327,49 @@ class MoELayer:
         if rows is None:
             plan.launch(stream, x, logits, bias, block)
             return
-        starts, row_x, row_logits, row_out = rows
+        starts, row_x, row_logits, row_out, count = rows
         x0, logits0, out0 = x.data_ptr(), logits.data_ptr(), block.data_ptr()
         b = 0 if bias is None else bias.data_ptr()
         for s in starts:
             plan.launch_at(stream, (x0 + s * row_x, logits0 + s * row_logits, b), 0,
-                           out0 + s * row_out)  # fmt: skip
+                           out0 + s * row_out, count)  # fmt: skip
 
     def launch_rows(self, x, logits, bias, out, starts, rows: int) -> bool:
         """For row chunks (``runtime.chunks.run_chunked``): launches, for each
-        start s of ``starts``, the variant that serves ``rows`` tokens at its
-        own bucket on rows s .. s + rows - 1 of ``x`` and ``logits``, its
-        ``final`` written straight into the same rows of ``out`` (dense BF16
-        [M, H]; every chunk's other outputs go to the stream's scratch). No
-        views, no copies: addresses offset by whole rows, so each launch reads
-        and writes the caller's dense rows as a call on row slices would.
-        Returns False, launching nothing, where no final-writing variant
-        serves ``rows`` without padding; the caller then takes the layer call
-        per chunk. The caller has checked the whole call (dtypes, shapes,
-        device, density, alignment: row offsets keep 16-byte alignment since
-        H is a multiple of 128 and E of 32)."""
+        start s of ``starts``, the variant that serves ``rows`` tokens on
+        rows s .. s + rows - 1 of ``x`` and ``logits``, its ``final`` written
+        straight into the same rows of ``out`` (dense BF16 [M, H]; every
+        chunk's other outputs go to the stream's scratch): a variant at its
+        own bucket, or one that takes ``valid`` (``valid`` = rows: it reads
+        and writes those rows alone, its tokens past them repeating the
+        last). No views, no copies: addresses offset by whole rows, so each
+        launch reads and writes the caller's dense rows as a call on row
+        slices would. Returns False, launching nothing, where no
+        final-writing variant serves ``rows`` so; the caller then takes the
+        layer call per chunk. The caller has checked the whole call (dtypes, shapes,
+        device, density, alignment: ``run_chunked`` says when row offsets
+        keep it)."""
         dtype = LOGITS_NAMES[logits.dtype]
         step = self.tables[dtype].get(rows)
-        if step is None or step.bucket != rows:
+        if step is None:
             return False
         variant = self._variant(step, dtype)
         if variant.name not in self.final_writers:
             return False
-        self._launch_rows(variant, x, logits, bias, out, starts)
+        if step.bucket != rows and variant.name not in self.unpadded:
+            return False
+        self._launch_rows(variant, x, logits, bias, out, starts, rows)
         return True
 
-    def _launch_rows(self, variant, x, logits, bias, out, starts) -> None:
-        """``launch_rows``'s launches of ``variant``: one host path
-        (``_launch``: stream, plan, capture check, context), then one
-        ``CallPlan.launch_at`` per start (``_issue``)."""
-        rows = variant.tokens
+    def _launch_rows(self, variant, x, logits, bias, out, starts, rows: int) -> None:
+        """``launch_rows``'s launches of ``variant``, ``rows`` a chunk: one
+        host path (``_launch``: stream, plan, capture check, context), then
+        one ``CallPlan.launch_at`` per start (``_issue``)."""
         if any(s < 0 or s + rows > min(x.shape[0], out.shape[0]) for s in starts):
             raise ValueError(f"starts {list(starts)}: a chunk of {rows} rows past the call's rows")
         steps = (list(starts), x.stride(0) * x.element_size(),
-                 logits.stride(0) * logits.element_size(), out.stride(0) * out.element_size())  # fmt: skip
+                 logits.stride(0) * logits.element_size(), out.stride(0) * out.element_size(),
+                 rows)  # fmt: skip
         self._launch(variant, x, logits, bias, out, True, steps)
 
     def _plan(self, variant, stream: int, scratch: bool = False) -> CallPlan:
@@ -386,7 +402,8 @@ class OutputLayout:
     ``final`` to (byte offset, dtype, shape at the bucket), in that order,
     each offset a multiple of OUTPUT_ALIGN and no two overlapping. ``final``:
     with ``separate_final`` (the variant writes it) a BF16 [B, H] tensor of
-    its own (``_Block.final``), else ``shared_out``'s field (the grouped
+    its own (``_Block.final``; [M, H] from ``allocate_final(device, M)``),
+    else ``shared_out``'s field (the grouped
     kernel without finalize gets one pointer for both). Shapes: out BF16
     [B * top_k, H], ids int32 [B, top_k], weights FP32 [B, top_k],
     shared_out and final BF16 [B, H], B the bucket."""
@@ -394,7 +411,7 @@ class OutputLayout:
     def __init__(self, bucket: int, top_k: int, hidden: int, separate_final: bool):
         b, k, h = bucket, top_k, hidden
         self.separate_final, self.final_shape = separate_final, (b, h)
-        self._templates: dict[torch.device, torch.Tensor] = {}  # allocate_final's
+        self._templates: dict[tuple, torch.Tensor] = {}  # allocate_final's
         fields = [("out", torch.bfloat16, (b * k, h)), ("ids", torch.int32, (b, k)),
                   ("weights", torch.float32, (b, k)), ("shared_out", torch.bfloat16, (b, h))]  # fmt: skip
         self.fields: dict[str, tuple[int, torch.dtype, tuple[int, ...]]] = {}
@@ -413,17 +430,20 @@ class OutputLayout:
             for name, (offset, dtype, shape) in self.fields.items()
         }
 
-    def allocate_final(self, device) -> _Block:
+    def allocate_final(self, device, rows: int | None = None) -> _Block:
         """Only ``final`` of a call (``separate_final``; the other outputs
-        live elsewhere: ``CallPlan``'s ``scratch``): ``torch.empty_like`` of
-        a template made once per device (one element expanded to the
-        bucket's shape, so it holds no memory), a fresh contiguous tensor
-        like ``torch.empty``'s, with fewer arguments to parse at every call."""
+        live elsewhere: ``CallPlan``'s ``scratch``), at the bucket's rows or
+        ``rows`` (a variant that takes ``valid`` writes only those):
+        ``torch.empty_like`` of a template made once per (device, rows) (one
+        element expanded to that shape, so it holds no memory), a fresh
+        contiguous tensor like ``torch.empty``'s, with fewer arguments to
+        parse at every call."""
         assert self.separate_final
-        template = self._templates.get(device)
+        template = self._templates.get((device, rows))
         if template is None:
             one = torch.empty((1, 1), dtype=torch.bfloat16, device=device)
-            template = self._templates[device] = one.expand(self.final_shape)
+            shape = self.final_shape if rows is None else (rows, self.final_shape[1])
+            template = self._templates[(device, rows)] = one.expand(shape)
         return _Block(None, torch.empty_like(template))
 
     def allocate(self, device, empty=torch.empty):
@@ -438,10 +458,11 @@ class OutputLayout:
     def view(self, block, name: str, rows: int | None = None) -> torch.Tensor:
         """Output ``name`` of a call (``block``: its bytes, or a ``_Block``):
         a dense view of its first ``rows`` rows (default: all of the
-        bucket's)."""
+        bucket's, or for ``final`` all of its own)."""
         if name == "final" and self.separate_final:
-            # The whole tensor at the bucket's rows: a slice costs a view.
-            whole = rows is None or rows == self.final_shape[0]
+            # The whole tensor at its rows (the bucket's, or a call's own:
+            # ``allocate_final``): a slice costs a view.
+            whole = rows is None or rows == block.final.shape[0]
             return block.final if whole else block.final[:rows]
         dtype, bucket_rows, width, start = self._views[name]
         shape = (bucket_rows if rows is None else rows, width)
@@ -452,7 +473,7 @@ class OutputLayout:
 class _Block:
     """A call's outputs when ``final`` is allocated apart: ``bytes`` the
     block (``OutputLayout``; None when the other outputs go to a stream's
-    scratch), ``final`` BF16 [B, H]."""
+    scratch), ``final`` BF16 [B, H] (or [M, H]: ``allocate_final``)."""
 
     __slots__ = ("bytes", "final")
 
@@ -476,7 +497,9 @@ class CallPlan:
     row tables, tensor maps), in that order of precedence after the per-call
     names, as a fill by name would. ``inputs``: (slot, index into INPUTS),
     ``outputs``: (slot, byte offset in the block), the slots ``launch``
-    writes. ``scratch``: an address holding a block of ``layout``, where the
+    writes; ``valid_slot``: the slot of ``VALID`` (None without it), which
+    every launch writes (the call's rows, the bucket's by default).
+    ``scratch``: an address holding a block of ``layout``, where the
     outputs but ``final`` go at every call (fixed slots; ``launch`` then
     writes only the inputs' and ``final``'s). ``launch`` writes and launches
     under a lock, so threads sharing a plan (one layer, one stream) never
@@ -490,8 +513,13 @@ class CallPlan:
         #: The slot of ``final`` when it is a tensor of its own, else None.
         self.final_slot = None
         inputs, outputs = [], []
+        #: The slot of ``valid`` (the call's rows) when the variant takes it.
+        self.valid_slot = None
         for i, (name, kind) in enumerate(variant.params):
-            if kind == "i32":
+            if name == VALID and kind == "i32":
+                self.valid_slot = i
+                self.parameters.slot(i, variant.tokens)
+            elif kind == "i32":
                 self.parameters.slot(i, SCALARS[name](variant.tokens, top_k))
             elif name in workspace:
                 self.parameters.slot(i, workspace[name])
@@ -509,21 +537,34 @@ class CallPlan:
         self._lock = threading.Lock()
 
     def launch(self, stream: int, x, logits, bias, block) -> None:
-        """One call: x, logits, bias (at the bucket's rows) and the output
-        ``block`` of this plan's layout, on ``stream``."""
+        """One call: x, logits, bias (at the bucket's rows, or fewer where
+        the plan ``takes_valid``: their rows are the call's ``valid``) and
+        the output ``block`` of this plan's layout, on ``stream``."""
         # A model without a bias passes None: its kernels never read it.
         addresses = (x.data_ptr(), logits.data_ptr(), 0 if bias is None else bias.data_ptr())
         base = block.data_ptr() if self.outputs else 0
         final = block.final.data_ptr() if self.final_slot is not None else 0
-        self.launch_at(stream, addresses, base, final)
+        self.launch_at(stream, addresses, base, final, min(x.shape[0], self.variant.tokens))
 
-    def launch_at(self, stream: int, addresses: tuple, base: int, final: int) -> None:
+    @property
+    def takes_valid(self) -> bool:
+        """Whether the variant reads only a call's ``valid`` rows of x and
+        logits (so a call below the bucket needs no padded copy)."""
+        return self.valid_slot is not None
+
+    def launch_at(self, stream: int, addresses: tuple, base: int, final: int,
+                  valid: int | None = None) -> None:  # fmt: skip
         """One call by addresses: ``addresses`` of x, logits and bias (0 for
         none) in INPUTS order, ``base`` the output block's (read only where
         this plan has output slots), ``final`` the MoE output's (read only
-        where ``final`` is a tensor of its own)."""
+        where ``final`` is a tensor of its own), ``valid`` the rows of x and
+        logits (None: the bucket's; written only where the plan
+        ``takes_valid``)."""
         values = self.parameters.values
+        rows = self.variant.tokens if valid is None else valid
         with self._lock:
+            if self.valid_slot is not None:
+                values[self.valid_slot] = rows
             for i, j in self.inputs:
                 values[i] = addresses[j]
             for i, offset in self.outputs:
@@ -540,6 +581,13 @@ def writes_final(variant) -> bool:
     if variant.kernel == "mega":
         return any(name == "final" for name, _ in variant.params)
     return variant.finalize
+
+
+def takes_valid(variant) -> bool:
+    """Whether ``variant`` has the i32 parameter ``valid`` (the rows of x and
+    logits a call holds): a grouped build since it was added; older
+    artifacts and the mega kernel read the bucket's rows."""
+    return (VALID, "i32") in ((name, kind) for name, kind in variant.params)
 
 
 def computes_shared(variant) -> bool:
@@ -566,6 +614,7 @@ def fillable(variant, tensors: dict) -> list[str]:
     known |= {w.name for w in variant.workspace}
     missing = []
     for name, kind in variant.params:
-        if (kind == "i32" and name not in SCALARS) or (kind == "pointer" and name not in known):
+        scalar = name in SCALARS or name == VALID
+        if (kind == "i32" and not scalar) or (kind == "pointer" and name not in known):
             missing.append(f"{name} ({kind})")
     return missing

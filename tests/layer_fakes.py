@@ -14,7 +14,8 @@ import torch
 from kernels import abi
 from runtime.artifact import Launch, Variant, WorkspaceNeed
 from runtime.model import MoEShape
-from runtime.moe import MoELayer, _Block, computes_shared, writes_final
+from runtime.moe import MoELayer, _Block, computes_shared, takes_valid, writes_final
+from runtime.plan import pad_rows
 
 SHAPE = MoEShape(**fx.SMALL_MODEL)
 
@@ -90,7 +91,8 @@ def tags(x, logits, top_k):
 
 class TaggedLayer(MoELayer):
     """The layer with its launch replaced by a stand-in kernel writing
-    ``tags`` of the padded bucket's inputs (mega variants without
+    ``tags`` of the padded bucket's inputs (padding itself, as the kernel
+    does, for a variant that takes ``valid``; mega variants without
     ``shared_out`` leave it unwritten, as the kernel does; ``skip``: outputs
     left unwritten). No MoE math: what the layer returns can be predicted
     exactly from the caller's (unpadded) inputs."""
@@ -98,9 +100,16 @@ class TaggedLayer(MoELayer):
     def __init__(self, *args, skip=(), **kwargs):
         super().__init__(*args, **kwargs)
         self.skip, self.calls, self.direct = skip, [], []
+        #: (variant, rows of x it was handed) per launch: fewer than the
+        #: bucket only for a variant that ``takes_valid``.
+        self.given = []
 
     def _launch(self, variant, x, logits, bias, block, scratch=False):
-        bucket = variant.tokens
+        bucket, given = variant.tokens, x.shape[0]
+        self.given.append((variant.name, given))
+        if takes_valid(variant):  # the kernel's rows past ``valid`` repeat its last
+            assert 1 <= x.shape[0] <= bucket and logits.shape[0] == x.shape[0]
+            x, logits = pad_rows(x, bucket), pad_rows(logits, bucket)
         assert x.shape[0] == bucket and logits.shape[0] == bucket
         self.calls.append((variant.name, x.clone(), logits.clone()))
         t = tags(x, logits, SHAPE.top_k)
@@ -114,12 +123,17 @@ class TaggedLayer(MoELayer):
             # With ``scratch`` the call's block holds only ``final`` (the other
             # outputs go to the stream's scratch, which nobody reads back).
             if name not in self.skip and (name == "final" or not scratch):
-                layout.view(block, name).copy_(value)
+                # A variant that takes ``valid`` writes only the call's rows
+                # of ``final`` (which may hold only those).
+                target = layout.view(block, name)
+                if name == "final" and takes_valid(variant):
+                    target, value = target[:given], value[:given]
+                target.copy_(value)
 
-    def _launch_rows(self, variant, x, logits, bias, out, starts):
+    def _launch_rows(self, variant, x, logits, bias, out, starts, rows):
         # What the kernel does at each start's addresses, as tensors: the
-        # bucket's rows in, ``final`` into the same rows of ``out``.
-        rows = variant.tokens
+        # chunk's rows in (padded as the kernel does where it takes
+        # ``valid``), ``final`` into the same rows of ``out``.
         self.direct.append((variant.name, list(starts)))
         for s in starts:
             block = _Block(None, out[s : s + rows])

@@ -124,9 +124,21 @@ MUTATIONS = (
     ),
     Mutation(
         "call-plan-unlocked", "runtime/moe.py",
-        "        with self._lock:\n            for i, j in self.inputs:",
-        "        if True:\n            for i, j in self.inputs:",
+        "        with self._lock:\n            if self.valid_slot is not None:",
+        "        if True:\n            if self.valid_slot is not None:",
         ("tests/test_host_path.py::test_threads_sharing_a_plan_launch_their_own_addresses",),
+    ),
+    Mutation(
+        "call-plan-valid-not-rewritten", "runtime/moe.py",
+        "                values[self.valid_slot] = rows",
+        "                pass",
+        ("tests/test_host_path.py::test_a_grouped_call_below_its_bucket_launches_unpadded",),
+    ),
+    Mutation(
+        "grouped-call-padded-anyway", "runtime/moe.py",
+        "        unpadded = m != bucket and variant.name in self.unpadded",
+        "        unpadded = False",
+        ("tests/test_host_path.py::test_a_grouped_call_below_its_bucket_launches_unpadded",),
     ),
     Mutation(
         "call-plan-inputs-not-rewritten", "runtime/moe.py",

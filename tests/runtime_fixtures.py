@@ -45,7 +45,7 @@ def record(kernel: str, arch: str = "sm_90a", tokens: int = 1, dtype: str = "flo
         "name": name, "kernel": kernel, "arch": arch, "tokens": tokens, "logits_dtype": dtype,
         "finalize": finalize, "sms": 132, "file": f"cubins/{name}.cubin.zst",
         "cache_key": "0" * 64, "entry": f"moe_{kernel}_0",
-        "params": [{"name": p, "kind": "pointer"}
+        "params": [{"name": p, "kind": abi.param_kind(p)}
                    for p in (GROUPED_PARAMS if grouped else MEGA_PARAMS)],
         "tensor_maps": ["w13", "w2", "s13", "s2"] if grouped else list(MEGA_MAPS),
         "launch": {"grid": [132, 1, 1] if grouped else [16 * tokens * 9, 1, 1],

@@ -442,7 +442,7 @@ def _variant(kernel, tokens, finalize=False, shared=True):
 
     names = {("mega", True): abi.MEGA_PARAMS, ("mega", False): abi.MEGA_ROUTED_PARAMS,
              ("grouped", True): abi.GROUPED_PARAMS, ("grouped", False): abi.GROUPED_ROUTED_PARAMS}  # fmt: skip
-    params = tuple((n, "pointer") for n in names[(kernel, shared)])
+    params = tuple((n, abi.param_kind(n)) for n in names[(kernel, shared)])
     return SimpleNamespace(kernel=kernel, tokens=tokens, finalize=finalize, params=params)
 
 

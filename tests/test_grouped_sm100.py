@@ -33,6 +33,7 @@ from runtime.constants import SMEM_LIMIT, SMEM_OPTIN, TILE
 
 pytest.importorskip("cutlass")  # the kernel modules are device code
 
+from kernels import abi  # noqa: E402
 from kernels import grouped_moe_sm100 as grouped  # noqa: E402
 from kernels import grouped_plan as gp  # noqa: E402
 from kernels import spec as kernel_spec  # noqa: E402
@@ -216,7 +217,7 @@ def test_representative_glm5_grouped_buckets_build_for_sm100a(tmp_path):
         assert r["entry"] == f"{grouped.ENTRY_PREFIX}_0"
         assert r["grid"] == [r["sms"], 1, 1] and r["cluster"] is None
         assert r["block"] == [THREADS, 1, 1] and r["pdl"] is True
-        assert r["params"] == [[name, "pointer"] for name in grouped.PARAMS]
+        assert r["params"] == [[name, abi.param_kind(name)] for name in grouped.PARAMS]
         assert r["maps"] == list(grouped.TENSOR_MAPS)
         want = grouped.workspaces(plan(r["tokens"]))
         assert r["workspace"] == [[w.name, w.bytes, w.zero] for w in want]
@@ -240,7 +241,7 @@ def test_routed_only_softmax_variant_builds_for_sm100a(tmp_path):
         sass_counts(tool, tmp_path / "routed.cubin"),
         resources(tool, tmp_path / "routed.cubin"),
     )
-    assert r["params"] == [[name, "pointer"] for name in ROUTED_PARAMS]
+    assert r["params"] == [[name, abi.param_kind(name)] for name in ROUTED_PARAMS]
     assert r["maps"] == ["w13", "w2"]
     assert count(ops, "UTCQMMA") == gp.DEPTH * 4, ops
     assert "LDL" not in ops and "STL" not in ops and res["LOCAL"] == 0, (ops, res)

@@ -38,8 +38,9 @@ REGISTERS_PER_SM = 65536
 GRID_PARAMS = (
     "maps", "w13_scale", "w2_scale", "s13_scale", "s2_scale", "s13", "s2", "x", "logits",
     "bias", "rows", "out", "shared_out", "final", "ids", "weights", "plan_x", "plan_s",
-    "hidden", "hscale", "partial", "counters",
+    "hidden", "hscale", "partial", "counters", "valid",
 )  # fmt: skip
+SCALARS = ("valid",)  # i32 parameters (the rows the call holds); the rest pointers
 
 
 def spec(tokens, dtype="float32", finalize=False, ue8m0=False) -> KernelSpec:
@@ -149,7 +150,8 @@ def test_launch_records_follow_the_plan(built):
         layout = grouped.GroupedMoeSm90(s).layout
         assert r["entry"] == "moe_grouped_sm90_0"
         assert [p for p, _ in r["params"]] == list(params_of(s))
-        assert all(kind == "pointer" and p in PARAMETER_NAMES for p, kind in r["params"])
+        assert all(kind == ("i32" if p in SCALARS else "pointer") and p in PARAMETER_NAMES
+                   for p, kind in r["params"])  # fmt: skip
         assert r["grid"] == [SMS, 1, 1] and r["block"] == [THREADS, 1, 1]
         assert r["cluster"] is None and r["pdl"] is True
         assert r["smem"] == layout.total and r["notes"]["stages"] == layout.stages >= 4
@@ -157,13 +159,15 @@ def test_launch_records_follow_the_plan(built):
         assert r["maps"] == (["w13", "w2", "s13", "s2"] if s.shared_experts else ["w13", "w2"])
         want = gp.workspaces(s.hidden, s.inter, s.experts, s.top_k, SMS)
         assert r["workspace"] == [[w.name, w.bytes, w.zero] for w in want]
-        # Every parameter is one 8-byte pointer in the PTX entry.
+        # Every parameter is one 8-byte pointer in the PTX entry, but the
+        # last, ``valid``: a .u32.
         ptx = (out / f"{i}.ptx").read_text()
         entry = ptx[ptx.index(".entry moe_grouped_sm90_0(") :]
         entry = entry[: entry.index(")")]
         params = re.findall(r"\.param ([^\n]*?)moe_grouped_sm90_0_param_\d+(\[\d+\])?", entry)
         assert len(params) == len(params_of(s))
-        assert all(size == "[8]" or ".u64" in decl for decl, size in params), params
+        assert all(size == "[8]" or ".u64" in decl for decl, size in params[:-1]), params
+        assert ".u32" in params[-1][0] and not params[-1][1], params[-1]
         # The next call may launch once every CTA has started (PDL): the
         # trigger comes before the wait, and no global write before the wait
         # (grouped_common's docstring, phase 1).

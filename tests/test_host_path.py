@@ -11,6 +11,7 @@ input checks refuse, after accepting a call, what they refused before."""
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import threading
 import time
 
@@ -29,7 +30,7 @@ from runtime.errors import InputError
 from runtime.inputs import ALIGN, check_call, check_weights
 from runtime.layout import random_moe_weights
 from runtime.model import MoEShape
-from runtime.moe import OUTPUT_ALIGN, OUTPUTS, OutputLayout, _Block
+from runtime.moe import OUTPUT_ALIGN, OUTPUTS, VALID, OutputLayout, _Block, takes_valid
 from runtime.plan import pad_rows, pad_sources
 
 SHAPE = MoEShape(**fx.SMALL_MODEL)
@@ -79,7 +80,8 @@ def _by_name(layer, variant, stream, x, logits, bias, block) -> dict:
     addresses = {n: t.data_ptr() for n, t in named.items()}
     addresses.update({n: layout.view(block, n).data_ptr() for n in OUTPUTS})
     spaces = layer.artifact.workspaces(layer.ordinal).pointers(stream, variant)
-    scalars = {"tokens": variant.tokens, "routes": variant.tokens * SHAPE.top_k}
+    scalars = {"tokens": variant.tokens, "routes": variant.tokens * SHAPE.top_k,
+               "valid": x.shape[0]}  # fmt: skip
     return {
         name: scalars[name] if kind == "i32" else spaces.get(name, addresses.get(name))
         for name, kind in variant.params
@@ -270,18 +272,21 @@ def test_calls_get_fresh_blocks_of_apart_outputs(null, m):
     """The real layer on the CPU: two calls' outputs are distinct tensors in
     distinct blocks; one call's outputs lie apart in its block, each at an
     OUTPUT_ALIGN offset from the block's start; the launch got the caller's
-    x when M is a bucket (else a padded copy) and the outputs' addresses."""
+    x when M is a bucket or the variant takes ``valid`` (else a padded copy)
+    and the outputs' addresses."""
     layer = null.layer()
     x, logits, bias = inputs(SHAPE, m)
     a, b = layer(x, logits, bias), layer(x, logits, bias)
     assert a.shape == b.shape == (m, SHAPE.hidden) and a.dtype == torch.bfloat16
     assert a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
     variant = layer._variant(layer.tables["float32"][m], "float32")
-    # The MoE output keeps only its own bucket-sized rows allocated.
-    assert a.untyped_storage().nbytes() == variant.tokens * SHAPE.hidden * 2
+    # The MoE output keeps only its own rows allocated: the bucket's, or M
+    # where the variant takes ``valid`` (its finalize writes M rows alone).
+    rows = m if takes_valid(variant) else variant.tokens
+    assert a.untyped_storage().nbytes() == rows * SHAPE.hidden * 2
     values = _launched(null, variant)
     assert values["final"] == b.data_ptr()
-    assert (values["x"] == x.data_ptr()) == (m == variant.tokens)
+    assert (values["x"] == x.data_ptr()) == (m == variant.tokens or takes_valid(variant))
     calls = [layer.grouped(x, logits, bias)]
     if m <= 4:
         calls.append(layer.mega(x, logits, bias, shared=True))
@@ -357,6 +362,66 @@ def test_poison_fills_every_output(weights):
     assert layer(x, logits, bias).isnan().all()
 
 
+@pytest.mark.parametrize("m", [5, 8, 13, 50])
+def test_a_grouped_call_below_its_bucket_launches_unpadded(null, m):
+    """A grouped variant that takes ``valid`` gets the caller's x and logits
+    (no padded copy) and ``valid`` = M, in the layer call and in
+    ``layer.grouped``, and the MoE output is an M-row tensor of its own; the
+    next call at the bucket's M writes ``valid`` back
+    to the bucket (the plan's slot is rewritten every call, never left at an
+    earlier call's M)."""
+    layer = null.layer()
+    x, logits, bias = inputs(SHAPE, m)
+    final = layer._variant(layer.tables["float32"][m], "float32")
+    routed = layer._variant(layer._step("grouped", m, "float32", False), "float32")
+    assert final.kernel == routed.kernel == "grouped" and final.tokens == routed.tokens
+    assert takes_valid(final) and takes_valid(routed)
+    for call, variant in ((layer, final), (layer.grouped, routed)):
+        got = call(x, logits, bias)
+        values = _launched(null, variant)
+        assert values["x"] == x.data_ptr() and values["logits"] == logits.data_ptr()
+        assert values["valid"] == m
+    # The MoE output: a tensor of M rows of its own, the one the kernel wrote.
+    got = layer(x, logits, bias)
+    assert got.shape == (m, SHAPE.hidden) and got.untyped_storage().nbytes() == got.nbytes
+    assert _launched(null, final)["final"] == got.data_ptr()
+    full = inputs(SHAPE, final.tokens)
+    layer(*full)
+    values = _launched(null, final)
+    assert values["valid"] == final.tokens and values["x"] == full[0].data_ptr()
+
+
+def test_an_artifact_without_valid_still_pads(null):
+    """A grouped build from before ``valid`` (its params lack it) reads the
+    bucket's rows: a call below the bucket gets a padded copy of x and
+    logits, whose rows past M repeat row M - 1, and a chunk of M rows is
+    not launched straight into a caller's output (``launch_rows`` answers
+    False: such a kernel writes all its bucket's rows)."""
+    old = tuple(
+        dataclasses.replace(v, params=tuple(p for p in v.params if p[0] != VALID))
+        for v in variants(SHAPE)
+    )
+    layer = cpu_layer(SHAPE, old)
+    try:
+        m = 5
+        x, logits, bias = inputs(SHAPE, m)
+        variant = layer._variant(layer.tables["float32"][m], "float32")
+        assert variant.tokens == 8 and not takes_valid(variant)
+        layer(x, logits, bias)
+        values = _launched(null, variant)
+        assert values["x"] != x.data_ptr() and values["logits"] != logits.data_ptr()
+        rows = layer._pad[(m, variant.tokens)]
+        assert rows.tolist() == [0, 1, 2, 3, 4, 4, 4, 4]
+        out = torch.empty(m, SHAPE.hidden, dtype=torch.bfloat16)
+        launches = null.launches
+        assert not layer.launch_rows(x, logits, bias, out, [0], m)
+        assert layer.launch_rows(*inputs(SHAPE, 8), torch.empty(8, SHAPE.hidden).bfloat16(),
+                                 [0], 8)  # its own bucket: straight in  # fmt: skip
+        assert null.launches == launches + 1
+    finally:
+        layer.artifact.close()
+
+
 def test_padding_repeats_the_last_row():
     g = seeding.generator()
     for m, bucket in ((1, 1), (1, 4), (5, 8), (13, 16), (63, 64)):
@@ -372,9 +437,10 @@ def test_row_launches_address_the_callers_rows(tmp_path, fake, weights):
     """``launch_rows`` (the full chunks of a call above the largest bucket):
     one launch per start, in the order given, each launching what a scratch
     call on that start's rows launches, with x, logits and final at those
-    rows of the caller's tensors and no other slot moved; an M served only
-    with padding launches nothing and answers False; a start whose chunk
-    would pass the call's rows is refused before anything launches."""
+    rows of the caller's tensors and no other slot moved; a chunk below the
+    bucket launches the same way with ``valid`` = its rows (the kernel
+    reads and writes those rows alone); a start whose chunk would pass the
+    call's rows is refused before anything launches."""
     layer = _layer(tmp_path, fake, weights)
     fake.make_current(0)
     v = layer.variants["grouped-sm_90a-m8-float32-final"]
@@ -392,12 +458,17 @@ def test_row_launches_address_the_callers_rows(tmp_path, fake, weights):
     for s, (function, _, context, values) in zip(starts, launched, strict=True):
         assert function == ("function", v.entry, 0) and context == 0
         rows = {"x": x.data_ptr() + s * h * 2, "logits": logits.data_ptr() + s * e * 4,
-                "final": out.data_ptr() + s * h * 2}  # fmt: skip
+                "final": out.data_ptr() + s * h * 2, "valid": 8}  # fmt: skip
         assert values == {**want, **rows}, s
+    assert layer.launch_rows(x, logits, bias, out, [16], 5)  # grouped m8, 5 rows
+    rows = {"x": x.data_ptr() + 16 * h * 2, "logits": logits.data_ptr() + 16 * e * 4,
+            "final": out.data_ptr() + 16 * h * 2, "valid": 5}  # fmt: skip
+    assert fake.launches[-1][3] == {**want, **rows}
     count = len(fake.launches)
-    assert not layer.launch_rows(x, logits, bias, out, [0], 5)  # grouped m8, padded
     with pytest.raises(ValueError, match="past the call's rows"):
         layer.launch_rows(x, logits, bias, out, [0, 20], 8)  # rows 20..27 of 24
+    with pytest.raises(ValueError, match="past the call's rows"):
+        layer.launch_rows(x, logits, bias, out, [20], 5)  # rows 20..24 of 24
     assert len(fake.launches) == count
 
 

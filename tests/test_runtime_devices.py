@@ -15,6 +15,7 @@ import seeding
 import torch
 from driver_fakes import artifact, fake_devices, launch_args, move, weights_on
 
+from kernels import abi
 from runtime.artifact import Launch, Variant, WorkspaceNeed
 from runtime.errors import DeviceRefused, InputError
 from runtime.layout import random_moe_weights
@@ -67,7 +68,7 @@ def _grouped_variant(name, workspace=fx.GROUPED_WORKSPACE) -> Variant:
     return Variant(
         name=name, kernel="grouped", arch="sm_90a", tokens=8, logits_dtype="float32",
         finalize=False, sms=132, entry="moe_grouped_0",
-        params=tuple((p, "pointer") for p in fx.GROUPED_PARAMS), tensor_maps=(),
+        params=tuple((p, abi.param_kind(p)) for p in fx.GROUPED_PARAMS), tensor_maps=(),
         launch=Launch((132, 1, 1), (256, 1, 1), None, 0, True),
         workspace=tuple(WorkspaceNeed(n, b, z) for n, b, z in workspace), sha256="0" * 64,
         cubin=b"",

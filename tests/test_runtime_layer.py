@@ -56,9 +56,11 @@ def _inputs(m, dtype=torch.float32, g=None):
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8, 9, 16, 31, 33, 48, 63, 64])
 def test_layer_dispatches_pads_crops_and_combines(weights, m):
     """M tokens run in the smallest bucket >= M (mega up to 4, then grouped
-    with in-kernel finalize), padded with copies of the last token; the
-    layer returns the first M rows of the kernel's final (both kernels write
-    it: the mega kernel's last-arriving CTAs, the grouped kernel's finalize)."""
+    with in-kernel finalize), padded with copies of the last token (by the
+    layer for the mega kernel; the grouped kernel takes the M rows and
+    ``valid`` = M, and repeats the last itself); the layer returns the first
+    M rows of the kernel's final (both kernels write it: the mega kernel's
+    last-arriving CTAs, the grouped kernel's finalize)."""
     layer = _layer(weights, poison=True)
     dtype = torch.bfloat16 if m % 2 else torch.float32
     x, logits, bias = _inputs(m, dtype)
@@ -73,6 +75,7 @@ def test_layer_dispatches_pads_crops_and_combines(weights, m):
     assert bucket == next(b for b in BUCKETS if b >= m)
     dtype_name = str(dtype).removeprefix("torch.")
     assert name == f"{kernel}-sm_90a-m{bucket}-{dtype_name}{suffix}"
+    assert layer.given[-1] == (name, bucket if kernel == "mega" else m)
     assert torch.equal(padded_x[:m], x) and torch.equal(padded_logits[:m], logits)
     assert torch.equal(padded_x[m:], x[-1:].expand(bucket - m, -1))
     assert torch.equal(padded_logits[m:], logits[-1:].expand(bucket - m, -1))

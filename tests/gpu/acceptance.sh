@@ -6,7 +6,8 @@
 #
 # 1. the GPU tests (kernels against the float64 reference, layer, graphs,
 #    streams, reliability, serving) with $MOE_BUILD_ARTIFACT=ARTIFACT;
-# 2. compute-sanitizer memcheck and racecheck of one bucket of each kernel;
+# 2. compute-sanitizer memcheck and racecheck of one bucket of each kernel, and
+#    memcheck of a grouped call below its bucket (13 rows of m16, unpadded);
 # 3. the eager host-time profile (benchmarks/host_profile.py);
 # 4. moe-build bench over random, skewed and uniform routing -> OUTDIR/bench.json, .png.
 # Logs go to OUTDIR; the exit status is the first failing step's. Every model's
@@ -23,6 +24,11 @@ for tool in memcheck racecheck; do
             python3 tests/gpu/one_call.py "$art" "$v"
     done
 done
+# A grouped call below its bucket reads the caller's rows unpadded (``valid``):
+# with each tensor an allocation of its own, memcheck sees any read past them.
+PYTORCH_NO_CUDA_MEMORY_CACHING=1 step memcheck-grouped-m16-rows13 compute-sanitizer --tool memcheck \
+    --error-exitcode 3 --kernel-name kns=moe_ python3 tests/gpu/one_call.py "$art" \
+    grouped-sm_90a-m16-float32-final rows=13
 step host-profile python3 -m benchmarks.host_profile "$art" --tokens 1,8,64 --calls 300
 if [ "$bench" != "--no-bench" ]; then
     step bench python3 -m pipeline.cli bench "$art" --routing random --routing skewed \

@@ -162,6 +162,59 @@ def test_layer_serves_every_m(artifact, layer, weights, device):
     print(json.dumps(errors))
 
 
+def _below_buckets(layer, dtype) -> list[tuple[int, int]]:
+    """(M, bucket) for each grouped bucket: its smallest M and one below it."""
+    table = layer.tables[dtype]
+    found = set()
+    for bucket in sorted({s.bucket for s in table.values() if s.kernel == "grouped"}):
+        below = [m for m, s in table.items() if s.kernel == "grouped" and s.bucket == bucket
+                 and m < bucket]  # fmt: skip
+        found |= {(min(below), bucket), (max(below), bucket)} if below else set()
+    return sorted(found)
+
+
+def test_a_call_below_its_bucket_is_its_padded_call(artifact, weights, device):
+    """A grouped call of M rows below its bucket B (the kernel reads the M
+    rows, ``valid`` = M, and writes an M-row output) gives bit for bit the
+    first M rows of the call on the same rows padded to B by repeating the
+    last; a poisoned bucket-sized output keeps rows M.. NaN (the finalize
+    writes the valid rows alone); a chunked call into rows of a larger
+    NaN-filled buffer leaves the rows around it NaN."""
+    from runtime.chunks import run_chunked
+    from runtime.plan import pad_rows
+
+    layer = artifact.bind(weights[0])  # not poisoned: the M-row output path
+    poisoned = artifact.bind(weights[0], poison=True)
+    dtype = layer.dtypes[0]
+    cases = _below_buckets(layer, dtype)
+    assert cases, "no grouped bucket serves an M below it"
+    for m, bucket in cases:
+        variant = layer._variant(layer.tables[dtype][m], dtype)
+        assert variant.name in layer.unpadded, variant.name
+        x, logits, bias = _inputs(artifact.shape, m, dtype, device)
+        got = layer(x, logits, bias)
+        assert got.shape == (m, artifact.shape.hidden)
+        assert got.untyped_storage().nbytes() == got.nbytes()
+        full = layer(pad_rows(x, bucket), pad_rows(logits, bucket), bias)
+        assert torch.equal(got, full[:m]), (m, bucket)
+        want = _reference(artifact, weights, x, logits, bias).final
+        assert rel_l2(got, want) < CALL_TOL, (m, bucket)
+        block, layout = poisoned._run(variant, x, logits, bias, m)
+        final = layout.view(block, "final")
+        assert final.shape[0] == bucket and not final[:m].isnan().any()
+        assert final[m:].isnan().all(), (m, bucket)
+    largest = layer.largest
+    for m in (largest + 1, largest + cases[0][0]):
+        x, logits, bias = _inputs(artifact.shape, m, dtype, device)
+        buffer = torch.full((m + 2, artifact.shape.hidden), float("nan"), dtype=torch.bfloat16,
+                            device=device)  # fmt: skip
+        run_chunked(layer, x, logits, bias, out=buffer[1 : m + 1])
+        assert buffer[0].isnan().all() and buffer[m + 1].isnan().all(), m
+        assert not buffer[1 : m + 1].isnan().any(), m
+        want = _reference(artifact, weights, x, logits, bias).final
+        assert rel_l2(buffer[1 : m + 1], want) < CALL_TOL, m
+
+
 def _pool(artifact, weights, m, dtype, device, size=8):
     pool = []
     for _ in range(size):
