@@ -54,7 +54,7 @@ format: install
 
 ## bench: on a GPU machine, time the kernels of $(OUT) against the HBM floor and torch
 bench: install
-	$(VENV)/bin/moe-build bench $(OUT) --routing random --routing skewed \
+	$(VENV)/bin/moe-build bench $(OUT) --routing random --routing skewed --routing uniform \
 		--json benchmarks/results/latest.json --plot benchmarks/results/latest.png
 
 ## gpu-check: on a GPU machine, every GPU test, sanitizers, host profile and bench of $(OUT)
