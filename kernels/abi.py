@@ -12,7 +12,7 @@ names in ``SCALAR_PARAMS`` are 32-bit integers, not tensors (kind ``i32``).
 
 from __future__ import annotations
 
-from runtime.constants import TILE
+from runtime.constants import TILE, VALID
 
 #: The mega kernel's parameters (ABI order) and tensor maps, with the shared
 #: expert (``shared_experts == 1``) and routed only.
@@ -28,7 +28,7 @@ MEGA_ROUTED_MAPS = ("w13", "w2")
 GROUPED_PARAMS = (
     "maps", "w13_scale", "w2_scale", "s13_scale", "s2_scale", "s13", "s2", "x", "logits",
     "bias", "rows", "out", "shared_out", "final", "ids", "weights", "plan_x", "plan_s",
-    "hidden", "hscale", "partial", "counters", "valid",
+    "hidden", "hscale", "partial", "counters", VALID,
 )  # fmt: skip
 GROUPED_MAPS = ("w13", "w2", "s13", "s2")
 GROUPED_ROUTED_PARAMS = tuple(p for p in GROUPED_PARAMS if p not in ("s13_scale", "s2_scale",
@@ -36,7 +36,7 @@ GROUPED_ROUTED_PARAMS = tuple(p for p in GROUPED_PARAMS if p not in ("s13_scale"
 GROUPED_ROUTED_MAPS = ("w13", "w2")
 #: Parameters that are 32-bit integers (kind ``i32``): ``valid``, the rows of
 #: x and logits a call holds (1..M; the runtime writes it at every call).
-SCALAR_PARAMS = ("valid",)
+SCALAR_PARAMS = (VALID,)
 
 
 def param_kind(name: str) -> str:

@@ -17,8 +17,8 @@ caller's tensors and writes its rows of the output in place (no views, no
 copies, one host path for all of them), and the partial last piece so too
 where a variant that writes the output serves its rows so (at its own
 bucket, or a grouped variant that takes ``valid``, which reads and writes
-the piece's rows alone); any other
-piece (a partial one no variant serves so, or every piece of a layer without
+the piece's rows alone); any other piece (a partial one no variant serves
+so, or every piece of a layer without
 ``launch_rows``) is one layer call on a row slice of the caller's tensors,
 its BF16 result copied into the output. Only device ops and layer calls, no
 host sync: it can be captured in a CUDA graph (one graph per M, as for the
@@ -153,8 +153,7 @@ def run_chunked(layer, x, logits, bias, out: torch.Tensor | None = None) -> torc
     # (``MoELayer.launch_rows``: no views, no copies), and so the partial
     # last one where a variant that writes the output serves its rows so (at
     # its own bucket, or taking ``valid``); the rest, and every piece of a
-    # layer that cannot, one
-    # layer call each and a copy.
+    # layer that cannot, one layer call each and a copy.
     direct = getattr(layer, "launch_rows", None)
     full = [start for start, rows in pieces if rows == largest]
     if full and direct is not None and direct(x, logits, bias, out, full, largest):

@@ -18,6 +18,11 @@ FP8_MAX = 448.0
 #: it once per chunk.
 MAX_TOKENS = 256
 
+#: The i32 kernel parameter holding the rows of x and logits a call passes
+#: (the grouped kernel's last; ``kernels.abi.SCALAR_PARAMS``,
+#: ``runtime.moe.takes_valid``).
+VALID = "valid"
+
 #: The kernels an artifact can hold, and the archs they are built for.
 KERNELS = ("mega", "grouped")
 ARCHS = ("sm_90a", "sm_100a")

@@ -60,7 +60,7 @@ import torch
 
 from runtime import driver, graphs
 from runtime.chunks import run_chunked
-from runtime.constants import KERNELS, TILE
+from runtime.constants import KERNELS, TILE, VALID
 from runtime.errors import ArtifactError, InputError
 from runtime.inputs import LOGITS, LOGITS_NAMES, check_call
 from runtime.launch import Parameters
@@ -70,10 +70,6 @@ from runtime.plan import Step, bucket_for, default_table, pad_rows, pad_sources
 
 #: i32 parameters the runtime knows how to fill, from (bucket, top_k).
 SCALARS = {"tokens": lambda m, k: m, "routes": lambda m, k: m * k}
-#: The i32 parameter a call writes: the rows of x and logits it passes
-#: (``kernels.abi.SCALAR_PARAMS``); a variant with it reads no row past them,
-#: so an M below the bucket is launched unpadded (``MoELayer._run``).
-VALID = "valid"
 #: Pointer parameters whose values change with every call: the caller's
 #: inputs (padded to the bucket, or M rows with ``VALID``) ...
 INPUTS = ("x", "logits", "bias")
@@ -346,9 +342,9 @@ class MoELayer:
         launch reads and writes the caller's dense rows as a call on row
         slices would. Returns False, launching nothing, where no
         final-writing variant serves ``rows`` so; the caller then takes the
-        layer call per chunk. The caller has checked the whole call (dtypes, shapes,
-        device, density, alignment: ``run_chunked`` says when row offsets
-        keep it)."""
+        layer call per chunk. The caller has checked the whole call (dtypes,
+        shapes, device, density, alignment: ``run_chunked`` says when row
+        offsets keep it)."""
         dtype = LOGITS_NAMES[logits.dtype]
         step = self.tables[dtype].get(rows)
         if step is None:
@@ -538,19 +534,13 @@ class CallPlan:
 
     def launch(self, stream: int, x, logits, bias, block) -> None:
         """One call: x, logits, bias (at the bucket's rows, or fewer where
-        the plan ``takes_valid``: their rows are the call's ``valid``) and
-        the output ``block`` of this plan's layout, on ``stream``."""
+        the plan has a ``valid_slot``: their rows are the call's ``valid``)
+        and the output ``block`` of this plan's layout, on ``stream``."""
         # A model without a bias passes None: its kernels never read it.
         addresses = (x.data_ptr(), logits.data_ptr(), 0 if bias is None else bias.data_ptr())
         base = block.data_ptr() if self.outputs else 0
         final = block.final.data_ptr() if self.final_slot is not None else 0
         self.launch_at(stream, addresses, base, final, min(x.shape[0], self.variant.tokens))
-
-    @property
-    def takes_valid(self) -> bool:
-        """Whether the variant reads only a call's ``valid`` rows of x and
-        logits (so a call below the bucket needs no padded copy)."""
-        return self.valid_slot is not None
 
     def launch_at(self, stream: int, addresses: tuple, base: int, final: int,
                   valid: int | None = None) -> None:  # fmt: skip
@@ -558,13 +548,12 @@ class CallPlan:
         none) in INPUTS order, ``base`` the output block's (read only where
         this plan has output slots), ``final`` the MoE output's (read only
         where ``final`` is a tensor of its own), ``valid`` the rows of x and
-        logits (None: the bucket's; written only where the plan
-        ``takes_valid``)."""
+        logits (None: the bucket's; written only where the plan has a
+        ``valid_slot``)."""
         values = self.parameters.values
-        rows = self.variant.tokens if valid is None else valid
         with self._lock:
             if self.valid_slot is not None:
-                values[self.valid_slot] = rows
+                values[self.valid_slot] = self.variant.tokens if valid is None else valid
             for i, j in self.inputs:
                 values[i] = addresses[j]
             for i, offset in self.outputs:

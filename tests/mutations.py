@@ -130,7 +130,7 @@ MUTATIONS = (
     ),
     Mutation(
         "call-plan-valid-not-rewritten", "runtime/moe.py",
-        "                values[self.valid_slot] = rows",
+        "                values[self.valid_slot] = self.variant.tokens if valid is None else valid",
         "                pass",
         ("tests/test_host_path.py::test_a_grouped_call_below_its_bucket_launches_unpadded",),
     ),

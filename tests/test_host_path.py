@@ -25,12 +25,12 @@ from layer_fakes import FakeArtifact, TaggedLayer
 import runtime.inputs
 from benchmarks.host_path import NullDriver, cpu_layer, inputs, variants
 from runtime import driver, graphs
-from runtime.constants import MAX_TOKENS
+from runtime.constants import MAX_TOKENS, VALID
 from runtime.errors import InputError
 from runtime.inputs import ALIGN, check_call, check_weights
 from runtime.layout import random_moe_weights
 from runtime.model import MoEShape
-from runtime.moe import OUTPUT_ALIGN, OUTPUTS, VALID, OutputLayout, _Block, takes_valid
+from runtime.moe import OUTPUT_ALIGN, OUTPUTS, OutputLayout, _Block, takes_valid
 from runtime.plan import pad_rows, pad_sources
 
 SHAPE = MoEShape(**fx.SMALL_MODEL)
