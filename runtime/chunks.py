@@ -54,7 +54,7 @@ from __future__ import annotations
 import torch
 
 from runtime.errors import InputError
-from runtime.inputs import LOGITS_NAMES, check_call
+from runtime.inputs import ALIGN, LOGITS_NAMES, check_call
 from runtime.plan import bucket_for, pad_rows
 
 
@@ -128,7 +128,8 @@ def run_chunked(layer, x, logits, bias, out: torch.Tensor | None = None) -> torc
     aligned where a chunk's rows of logits are a multiple of 16 bytes (H is
     a multiple of 128; chunks start at multiples of the largest bucket,
     which a multiple of 8 makes so for any E), so each chunk passes the
-    layer's checks as the whole call did. An M the layer's table serves in
+    layer's checks as the whole call did (a layer call on a chunk of a
+    custom table that is not gets aligned copies of its rows). An M the layer's table serves in
     one launch goes straight to the layer, which checks the call itself
     (the torch op's common case: one check, no table sort)."""
     if out is None and _one_launch(layer, x, logits):
@@ -178,12 +179,23 @@ def _one_launch(layer, x, logits) -> bool:
 def _call(layer, x, logits, bias, start: int, rows: int, sizes: list[int]) -> torch.Tensor:
     """One layer call on rows ``start .. start+rows-1``: BF16 [rows, H]. A
     piece of an M the layer's table skips (a custom table with holes) is
-    padded to the next M it serves, as the layer pads to a bucket."""
-    xs, ls = x[start : start + rows], logits[start : start + rows]
+    padded to the next M it serves, as the layer pads to a bucket. A slice
+    whose start is off the 16-byte alignment the layer checks is passed as
+    a copy (``_aligned``)."""
+    xs, ls = _aligned(x[start : start + rows]), _aligned(logits[start : start + rows])
     if rows in sizes:
         return layer(xs, ls, bias)
     call = bucket_for(rows, sizes)
     return layer(pad_rows(xs, call), pad_rows(ls, call), bias)[:rows]
+
+
+def _aligned(rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` (a dense row slice), or a copy of them where the slice starts
+    off ``ALIGN`` bytes: logits rows are 2E or 4E bytes, so with an odd E in
+    BF16 a chunk start that is not a multiple of 8 rows is only 2-byte
+    aligned (x rows, H a multiple of 128, always are). The kernels read
+    logits by element, so only the layer's checks need this."""
+    return rows if rows.data_ptr() % ALIGN == 0 else rows.clone()
 
 
 __all__ = ["check_inputs", "check_output", "chunk_plan", "run_chunked", "served"]

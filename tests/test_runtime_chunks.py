@@ -227,3 +227,25 @@ def test_bad_inputs_are_refused_for_any_m(weights):
         InputError, match="logits: expected dtype torch.float32, found torch.bfloat16"
     ):
         run_chunked(only_f32, x, logits.bfloat16(), bias)
+
+
+def test_chunks_whose_logits_rows_are_not_16_byte_aligned_still_run():
+    """Odd E with BF16 logits makes a row of logits 2E bytes, so a chunk of a
+    largest bucket that is not a multiple of 8 starts off the 16-byte
+    alignment the layer's checks ask for (here E = 33, chunks of 3 rows:
+    offsets of 198 bytes). Such a piece is a layer call on aligned copies of
+    its rows; every row is still its token's own output."""
+    shape = MoEShape(**{**fx.SMALL_MODEL, "experts": 33})
+    w = random_moe_weights(shape, seeding.generator(f"{__name__}.odd"))[0]
+    steps = {m: Step("grouped", 8, False) for m in (1, 2, 3)}
+    plain = [v for v in VARIANTS if not (v.kernel == "grouped" and v.finalize)]
+    layer = TaggedLayer(FakeArtifact(plain), check_weights(w, shape, CPU), shape, CPU,
+                        table={"float32": {}, "bfloat16": steps})  # fmt: skip
+    g = seeding.generator(seeding.current_test())
+    x = torch.randn(7, shape.hidden, generator=g).to(torch.bfloat16)
+    logits = torch.randn(7, shape.experts, generator=g).to(torch.bfloat16)
+    bias = torch.randn(shape.experts, generator=g) * 0.1
+    assert logits[3:].data_ptr() % 16 != 0  # the case: an unaligned chunk start
+    got = run_chunked(layer, x, logits, bias)
+    assert torch.equal(got, tags(x, logits, shape.top_k)["final"]), seeding.rerun_hint()
+    assert len(layer.calls) == 3
