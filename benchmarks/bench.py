@@ -603,11 +603,13 @@ class Bench:
         pinned = None if self.host_cpu is None else time_host(calls, cpu=self.host_cpu)
         return distinct, times, (time_host(calls), pinned, probe)
 
-    def run(self, tokens, routings) -> list[Row]:
+    def run(self, tokens, routings, done=None) -> list[Row]:
         """Every case of every (routing, M): the layer, the baseline, the mega
         variant of bucket M, the grouped variants of bucket M, and (for the
         crossover) the grouped kernel padded to its next bucket where M is a
-        mega bucket but no grouped one."""
+        mega bucket but no grouped one. ``done(rows)``, when given, is called
+        with the rows so far (speedups set) after each (routing, M), so that a
+        caller can keep what a run cut short had measured."""
         rows: list[Row] = []
         buckets = {}
         for v in self.artifact.variants:
@@ -654,18 +656,23 @@ class Bench:
                         f"{100 * row.floor_fraction:5.1f}% floor rel_l2 {row.rel_l2:.2e}"
                         f"{'' if row.correct else '  WRONG'}{padded}"
                     )
+                if done is not None:
+                    _speedups(rows)
+                    done(rows)
         _speedups(rows)
         return rows
 
-    def result(self, rows: list[Row]) -> dict:
+    def result(self, rows: list[Row], partial: bool = False) -> dict:
         """The result JSON of ``rows``: device, driver, SMs, copy bandwidth,
         ``gpu_state`` (start and end), commit, date, toolchain and artifact
         (config name, hash and the model's ``MoEShape``); the method's constants (``routing``: how the
         routing kinds skew this model, ``routing_rule``); the mega/grouped
-        crossover; each variant's ``residency``; every row."""
+        crossover; each variant's ``residency``; every row. With ``partial``
+        (a run not yet finished: its rows so far), ``"partial": true`` first."""
         facts = device_facts(self.device)
         manifest = self.artifact.manifest
         return {
+            **({"partial": True} if partial else {}),
             **facts,
             "copy_tb_s": round(self.copy_tb_s, 4),
             # After the copy measurement and after the last case.

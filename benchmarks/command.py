@@ -54,6 +54,9 @@ def bench(artifact, tokens, routings, reps, seed, json_out, plot_out) -> None:
     the device-to-device copy bandwidth measured in the same run; the result
     JSON also records the GPU's clocks, power and throttle reasons at the
     start and end. Exit status 1 if any case disagrees with the reference.
+    With --json the file is rewritten after each routing and M with the rows
+    so far and "partial": true, and holds the whole result (no "partial")
+    once the run ends.
     """
     import torch
 
@@ -63,7 +66,12 @@ def bench(artifact, tokens, routings, reps, seed, json_out, plot_out) -> None:
     from benchmarks import bench as b
 
     run = b.Bench(artifact, reps=reps, seed=seed, log=lambda s: click.echo(s, err=True))
-    rows = run.run(tokens, routings)
+    # The JSON holds the rows so far after each (routing, M), marked partial,
+    # so a run cut short (a time limit, an interrupt) keeps what it measured.
+    keep = (
+        (lambda rows: b.write_json(run.result(rows, partial=True), json_out)) if json_out else None
+    )
+    rows = run.run(tokens, routings, done=keep)
     result = run.result(rows)
     if json_out:
         b.write_json(result, json_out)

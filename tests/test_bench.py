@@ -491,7 +491,14 @@ def test_run_counts_the_shared_expert_only_where_the_model_has_one(shape, monkey
                                _variant("grouped", 8, True, shared=shared)]  # fmt: skip
     bench.artifact.manifest = {"config": {"name": "c"}, "config_hash": "h", "toolchain": None}
     bench.config = bench.artifact.manifest["config"]
-    rows = bench.run([2, 8], ["random", "skewed"])
+    seen = []
+    rows = bench.run([2, 8], ["random", "skewed"], done=lambda so_far: seen.append(
+        [(r.routing, r.tokens, r.kernel, r.speedup_vs_baseline) for r in so_far]))  # fmt: skip
+    # After each (routing, M): the rows so far, in order, speedups already set.
+    assert [len(s) for s in seen] == [4, 8, 12, 16]
+    assert seen[-1] == [(r.routing, r.tokens, r.kernel, r.speedup_vs_baseline) for r in rows]
+    assert {(r, m) for r, m, _, _ in seen[0]} == {("random", 2)}
+    assert all(sp is not None for *_, kind, sp in seen[0] if kind != "baseline")
     kinds = sorted((r.tokens, r.kernel, r.bucket, bool(r.finalize)) for r in rows
                    if r.routing == "random")  # fmt: skip
     # M = 2: the grouped kernel padded to its bucket 8; M = 8: both finalize settings.
@@ -513,6 +520,7 @@ def test_run_counts_the_shared_expert_only_where_the_model_has_one(shape, monkey
     bench.host_cpu = None  # where the OS cannot pin: no pinned figure, not a free one
     assert {r.host_pinned_us for r in bench.run([8], ["random"])} == {None}
     result = bench.result(rows)
+    assert "partial" not in result and bench.result(rows[:4], partial=True)["partial"] is True
     assert result["method"]["routing"]["skews"] == ("bias" if shape.bias else "logits")
     assert table(result).count("\n| skewed |") == 8 and "| random | 8 |" in summary(result)
 

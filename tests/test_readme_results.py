@@ -21,3 +21,4 @@ def test_readme_table_matches_the_named_result():
                     "artifact", "rows"):  # fmt: skip
             assert key in result, f"{name} lacks {key}"
         assert all(row["correct"] for row in result["rows"]), name
+        assert not result.get("partial"), f"{name} is a run cut short"
