@@ -29,7 +29,7 @@ Steps:
    its GPU (``Artifact.bind``).
 2. For each routing (``random``: logits N(0, 1), bias N(0, 0.1); ``skewed``:
    bias N(0, 1), which crowds the tokens onto a few experts) and each M
-   (default 1..256, runtime.constants.MAX_TOKENS): rank 0 draws BF16 tokens N(0, 1) and broadcasts them;
+   (default 1..512, runtime.constants.MAX_TOKENS): rank 0 draws BF16 tokens N(0, 1) and broadcasts them;
    every process runs its shard layers, adds their BF16 outputs in FP32; an
    all-reduce (SUM, FP32) adds the processes' partial sums; the total is
    rounded to BF16 once.

@@ -1,5 +1,5 @@
 """Grouped MoE kernel for sm_100a (B200/GB200): routed experts plus the
-shared expert of 8-256 decode tokens in one persistent kernel, one CTA per SM,
+shared expert of 8-512 decode tokens in one persistent kernel, one CTA per SM,
 with tcgen05 MMA and TMEM accumulators.
 
 The plan (``grouped_plan``), the phases of a call and the rings shared with

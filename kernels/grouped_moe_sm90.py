@@ -1,5 +1,5 @@
 """Grouped MoE kernel for Hopper (sm_90a): routed experts plus the shared
-expert of 8-256 decode tokens in one persistent kernel, one CTA per SM.
+expert of 8-512 decode tokens in one persistent kernel, one CTA per SM.
 
 The plan (``grouped_plan``), the phases of a call and the rings shared with
 sm_100a (``grouped_common``'s docstring: shared-memory map, full / posted

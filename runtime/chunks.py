@@ -1,7 +1,8 @@
 """Any number of tokens through a layer that serves 1..B in one launch: row chunks.
 
-A layer call serves M up to its largest token bucket B (256 for the
-configs' builds; ``runtime.constants.MAX_TOKENS`` bounds it).
+A layer call serves M up to its largest token bucket B (512 for the
+configs' builds, 448 for Kimi-K2 TP8's; ``runtime.constants.MAX_TOKENS``
+bounds it).
 An empty batch (M = 0) is checked as any call and gives an empty output
 without a launch. ``chunk_plan(m, buckets)`` splits M >= 1 rows into pieces that one call each
 serves: M up to the largest bucket is one piece; above it, pieces

@@ -13,10 +13,11 @@ TILE = 128
 #: Largest finite float8_e4m3fn.
 FP8_MAX = 448.0
 #: Largest token count M any kernel serves (grouped plan, workspace sizes,
-#: the layer's dispatch table). The configs' grouped buckets reach it: one
-#: call of up to 256 tokens reads each expert once, where chunks of 128 read
-#: it once per chunk.
-MAX_TOKENS = 256
+#: the layer's dispatch table). The configs' grouped buckets reach it (all
+#: but Kimi-K2 TP8, whose 384 experts' unit tables leave sm_90a too little
+#: shared memory for a 512-token ring: 448): one call of up to 512 tokens
+#: reads each expert once, where chunks of 256 read it once per chunk.
+MAX_TOKENS = 512
 
 #: The i32 kernel parameter holding the rows of x and logits a call passes
 #: (the grouped kernel's last; ``kernels.abi.SCALAR_PARAMS``,

@@ -163,7 +163,7 @@ def test_cli_validate_ok_and_bad(tmp_path):
     runner = CliRunner()
     ok = runner.invoke(main, ["validate", str(GLM5)])
     assert ok.exit_code == 0, ok.output
-    assert "mega-sm_90a-m1-float32" in ok.output and "104 variants" in ok.output
+    assert "mega-sm_90a-m1-float32" in ok.output and "136 variants" in ok.output
     raw = copy.deepcopy(glm5_raw())
     raw["model"]["top_k"] = "eight"
     bad = tmp_path / "bad.yaml"

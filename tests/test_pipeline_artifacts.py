@@ -42,7 +42,7 @@ def edit_manifest(path, change) -> None:
 def test_merged_shards_equal_the_single_machine_build(tmp_path, full):
     shards = [build(tmp_path / f"s{i}", "--shard", f"{i}/3") for i in (1, 2, 3)]
     sizes = [len(manifest(s)["variants"]) for s in shards]
-    assert sorted(sizes) == [34, 35, 35] and sum(sizes) == 104
+    assert sorted(sizes) == [45, 45, 46] and sum(sizes) == 136
     assert manifest(shards[0])["shard"]["selection"] == [
         r["name"] for r in manifest(full)["variants"]
     ]
@@ -97,7 +97,7 @@ def test_package_is_deterministic_and_readable(tmp_path, full, monkeypatch):
     assert "build-record.json" not in names and "manifest.json" in names
     assert {(m.mtime, m.uid, m.gid, m.uname, m.gname) for m in members} == {(0, 0, 0, "", "")}
     data = artifact.read(tmp_path / "a.tar.zst")
-    assert len(data.variants) == 104
+    assert len(data.variants) == 136
     # A package packs and inspects like its directory.
     assert run("package", tmp_path / "a.tar.zst", "-o", tmp_path / "c.tar.zst")[0] == 0
     assert (tmp_path / "c.tar.zst").read_bytes() == a
@@ -151,7 +151,7 @@ def test_inspect_lists_every_variant(tmp_path, full):
 
 def test_verify_accepts_a_good_artifact(tmp_path, full):
     code, stdout, _ = run("verify", full)
-    assert code == 0 and "104 variants: OK" in stdout
+    assert code == 0 and "136 variants: OK" in stdout
     assert run("package", full, "-o", tmp_path / "p.tar.zst")[0] == 0
     assert run("verify", tmp_path / "p.tar.zst")[0] == 0
 
@@ -239,7 +239,7 @@ def test_diff_across_configs_and_selections(tmp_path, full, stub_env):
     assert ("", "config.model.top_k") in fields
     assert ("mega-sm_100a-m1-float32", "variant") in fields  # removed
     assert ("mega-sm_90a-m1-float32", "sha256") in fields  # new code for the new top_k
-    assert len(compiled(stub_env)) == 104 + 52
+    assert len(compiled(stub_env)) == 136 + 68
 
 
 def test_diff_compares_verify_records(tmp_path, full):

@@ -23,7 +23,7 @@ def test_compile_writes_an_artifact_the_runtime_reads(tmp_path, stub_env):
     data = artifact.read(out)
     m = manifest(out)
     names = [v.name for v in data.variants]
-    assert len(names) == 2 * (4 * 2 + 11 * 2 * 2)  # archs x (mega + grouped) variants
+    assert len(names) == 2 * (4 * 2 + 15 * 2 * 2)  # archs x (mega + grouped) variants
     assert names == sorted(names)
     assert m["min_driver"] == 12090  # stub cubins say CUDA 12.9, like ptxas 12.9 does
     assert m["toolchain"]["ptxas"] == "12.9"
@@ -40,14 +40,14 @@ def test_compile_writes_an_artifact_the_runtime_reads(tmp_path, stub_env):
 def test_second_build_compiles_nothing(tmp_path, stub_env):
     build(tmp_path / "a", "--arch", "sm_90a")
     first = compiled(stub_env)
-    assert len(first) == 52
+    assert len(first) == 68
     code, stdout, _ = run("compile", GLM5, "-o", tmp_path / "b", "--arch", "sm_90a", "--json")
     assert code == 0
     assert compiled(stub_env) == first  # nothing new compiled
     events = [json.loads(line) for line in stdout.splitlines()]
-    assert events[0] == {"event": "start", "variants": 52, "cached": 52, "compile": 0, "jobs": 0}
+    assert events[0] == {"event": "start", "variants": 68, "cached": 68, "compile": 0, "jobs": 0}
     assert {e["status"] for e in events if e["event"] == "variant"} == {"cached"}
-    assert events[-1]["ok"] is True and events[-1]["cached"] == 52
+    assert events[-1]["ok"] is True and events[-1]["cached"] == 68
     assert artifact_files(tmp_path / "a") == artifact_files(tmp_path / "b")
 
 

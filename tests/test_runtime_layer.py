@@ -104,7 +104,7 @@ def test_an_empty_batch_is_an_empty_output(weights):
     with pytest.raises(InputError, match="logits: expected dtype"):
         layer(x, logits.half(), bias)
     for entry in (layer.mega, layer.grouped):
-        with pytest.raises(InputError, match=r"x: expected M \(tokens\) in 1\.\.256, found 0"):
+        with pytest.raises(InputError, match=r"x: expected M \(tokens\) in 1\.\.512, found 0"):
             entry(x, logits, bias)
     assert layer.calls == []
 

@@ -92,14 +92,14 @@ def _exact(artifact, weights, x, logits, bias):
 
 def test_compiled_module_matches_eager(artifact, layer, module, device):
     """torch.compile(fullgraph=True) of the module (inductor) gives the eager
-    layer's output, for M in one call and in chunks (600 with the configs'
-    256-token largest bucket: two direct chunks of 256 and a padded one of
-    88), both logits dtypes."""
+    layer's output, for M in one call and in chunks (1100 with the configs'
+    512-token largest bucket: two direct chunks of 512 and a partial one of
+    76), both logits dtypes."""
     torch._dynamo.reset()
     compiled = torch.compile(module, fullgraph=True)
     results = {}
     for dtype in layer.dtypes:
-        for m in (1, 4, 8, 64, 100, 200, 600):
+        for m in (1, 4, 8, 64, 100, 200, 600, 1100):
             x, logits, bias = _inputs(artifact.shape, m, dtype, device)
             want = (
                 layer(x, logits, bias)
@@ -116,11 +116,11 @@ def test_compiled_module_matches_eager(artifact, layer, module, device):
     print(json.dumps(results))
 
 
-@pytest.mark.parametrize("m", [65, 100, 128, 129, 256, 300, 600])
+@pytest.mark.parametrize("m", [65, 100, 128, 129, 256, 300, 512, 513, 1100])
 def test_chunked_m_matches_float64_reference(artifact, layer, module, weights, device, m):
     """M around and above the largest bucket (one launch up to it; above it
-    full chunks launched into their rows and, at 300 and 600 with 256-token
-    buckets, a padded last chunk), through the op: every row written (the output is
+    full chunks launched into their rows and, at 513 and 1100 with 512-token
+    buckets, a partial last chunk), through the op: every row written (the output is
     NaN-filled first), rel L2 below 1e-2 of the float64 reference."""
     for dtype in layer.dtypes:
         x, logits, bias = _inputs(artifact.shape, m, dtype, device)
