@@ -28,7 +28,7 @@ build: install
 	$(VENV)/bin/moe-build compile $(CONFIG) -o $(OUT) --jobs $(JOBS)
 
 ## build-all: every config under configs/ that validates (all seven), each into artifacts/<name>
-## (2 cores, uncached, beside other jobs: 98-288 s a config, 18 min in all; configs/README.md)
+## (2 cores, uncached: 142-217 s a config, 20 min in all; configs/README.md)
 build-all: install
 	@for c in configs/*.yaml; do n=$$(basename $$c .yaml); \
 	  if $(VENV)/bin/moe-build validate $$c >/dev/null 2>&1; then \

@@ -9,7 +9,7 @@ import sys
 
 import click
 
-DEFAULT_TOKENS = "1,2,3,4,8,16,32,48,64,128,192,256,512"
+DEFAULT_TOKENS = "1,2,3,4,8,16,32,48,64,128,256,384,512,1024"
 #: Above the largest bucket the layer runs bucket-sized chunks (runtime.chunks).
 MAX_BENCH_TOKENS = 8192
 

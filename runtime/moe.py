@@ -174,8 +174,12 @@ class MoELayer:
             (self.layouts[name].nbytes for name in self.final_writers), default=0
         )
         #: Padding row indices (runtime.plan.pad_sources) up to the largest
-        #: bucket, and (M, bucket) -> the row of it that pads M rows.
-        self._sources = pad_sources(max((v.tokens for v in artifact.variants), default=1), device)
+        #: bucket of a variant that is padded (one that does not take
+        #: ``valid``: the mega kernel's 1..4, every bucket of an artifact
+        #: built before it; a [B, B] int64 table, 2 MiB at B = 512), and
+        #: (M, bucket) -> the row of it that pads M rows.
+        padded = [v.tokens for v in artifact.variants if v.name not in self.unpadded]
+        self._sources = pad_sources(max(padded, default=1), device)
         self._pad: dict[tuple[int, int], torch.Tensor] = {}
         # The row tables and padding indices were made on the current stream;
         # a first call on another stream must not read them half-written.

@@ -76,7 +76,7 @@ def test_unit_widths():
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("tokens", [8, 16, 17, 32, 48, 64, 96, 128, 133, 256])
+@pytest.mark.parametrize("tokens", [8, 16, 17, 32, 48, 64, 96, 128, 133, 256, 300, 512])
 def test_unit_capacity_is_reached(tokens, arch):
     """An adversarial routing of the real shape has exactly capacity units
     (greedy: one route per expert, then ``group`` more routes per extra unit)."""
@@ -123,7 +123,20 @@ def random_routing(p, rng, skew):
 @pytest.mark.parametrize("shared", [1, 0])
 @pytest.mark.parametrize(
     "tokens,skew",
-    [(8, 1), (16, 1), (32, 8), (48, 20), (64, 1), (64, 30), (96, 4), (128, 1), (128, 30)],
+    [
+        (8, 1),
+        (16, 1),
+        (32, 8),
+        (48, 20),
+        (64, 1),
+        (64, 30),
+        (96, 4),
+        (128, 1),
+        (128, 30),
+        (320, 1),
+        (512, 1),
+        (512, 30),
+    ],
 )
 def test_number_units(tokens, skew, shared, arch):
     rng = random.Random(tokens * 1000 + skew)
@@ -501,7 +514,7 @@ def test_workspaces_and_counters():
     assert rows == max(gp.unit_capacity(p.experts, p.top_k, MAX_TOKENS, g) * g for g in gp.GROUPS)
     assert ws["hidden"].bytes == rows * p.inter and ws["hscale"].bytes == rows * p.nk2 * 4
     # Every bucket's tables, on every arch, fit the MAX_TOKENS-sized workspaces.
-    for tokens in (8, 16, 32, 48, 64, 96, 128, 160, 192, 224, 256):
+    for tokens in (8, 16, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512):
         for arch in ARCHS:
             q = plan(tokens=tokens, arch=arch)
             assert q.max_units <= units and q.max_units * q.group <= rows

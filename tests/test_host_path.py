@@ -391,6 +391,28 @@ def test_a_grouped_call_below_its_bucket_launches_unpadded(null, m):
     assert values["valid"] == final.tokens and values["x"] == full[0].data_ptr()
 
 
+def test_the_padding_table_covers_the_padded_variants_alone(null):
+    """The bound layer's padding rows (``pad_sources``, [B, B] int64) reach
+    the largest bucket of a variant that is padded: with grouped variants
+    that take ``valid`` that is the mega kernel's, not the largest bucket
+    (2 MiB at 512); an artifact whose grouped variants predate ``valid``
+    needs them to its largest."""
+    layer = null.layer()
+    mega = max(v.tokens for v in layer.artifact.variants if v.kernel == "mega")
+    assert max(v.tokens for v in layer.artifact.variants) > mega
+    assert tuple(layer._sources.shape) == (mega, mega)
+    old = tuple(
+        dataclasses.replace(v, params=tuple(p for p in v.params if p[0] != VALID))
+        for v in variants(SHAPE)
+    )
+    largest = max(v.tokens for v in old)
+    before = cpu_layer(SHAPE, old)
+    try:
+        assert tuple(before._sources.shape) == (largest, largest)
+    finally:
+        before.artifact.close()
+
+
 def test_an_artifact_without_valid_still_pads(null):
     """A grouped build from before ``valid`` (its params lack it) reads the
     bucket's rows: a call below the bucket gets a padded copy of x and

@@ -7,7 +7,8 @@
 # 1. the GPU tests (kernels against the float64 reference, layer, graphs,
 #    streams, reliability, serving) with $MOE_BUILD_ARTIFACT=ARTIFACT;
 # 2. compute-sanitizer memcheck and racecheck of one bucket of each kernel, and
-#    memcheck of a grouped call below its bucket (13 rows of m16, unpadded);
+#    memcheck of a grouped call below its bucket (13 rows of m16, unpadded) and
+#    of the largest grouped bucket;
 # 3. the eager host-time profile (benchmarks/host_profile.py);
 # 4. moe-build bench over random, skewed and uniform routing -> OUTDIR/bench.json, .png.
 # Logs go to OUTDIR; the exit status is the first failing step's. Every model's
@@ -29,7 +30,13 @@ done
 PYTORCH_NO_CUDA_MEMORY_CACHING=1 step memcheck-grouped-m16-rows13 compute-sanitizer --tool memcheck \
     --error-exitcode 3 --kernel-name kns=moe_ python3 tests/gpu/one_call.py "$art" \
     grouped-sm_90a-m16-float32-final rows=13
-step host-profile python3 -m benchmarks.host_profile "$art" --tokens 1,8,64 --calls 300
+# The largest grouped bucket (every table at its largest, CTAs taking several tokens).
+largest=$(python3 -c 'import sys
+from runtime.artifact import read
+print(max(v.tokens for v in read(sys.argv[1]).variants if v.kernel == "grouped"))' "$art")
+step "memcheck-grouped-m$largest-final" compute-sanitizer --tool memcheck --error-exitcode 3 \
+    --kernel-name kns=moe_ python3 tests/gpu/one_call.py "$art" "grouped-sm_90a-m$largest-bfloat16-final"
+step host-profile python3 -m benchmarks.host_profile "$art" --tokens 1,8,13,64,300 --calls 300
 if [ "$bench" != "--no-bench" ]; then
     step bench python3 -m pipeline.cli bench "$art" --routing random --routing skewed \
         --routing uniform --reps 30 --json "$out/bench.json" --plot "$out/bench.png"
