@@ -333,6 +333,11 @@ def plan_problems(hidden: int, inter: int, experts: int, top_k: int, tokens: int
     reasons += routing.experts_problems(experts, top_k)
     if not 1 <= tokens <= MAX_TOKENS:
         reasons.append(f"tokens {tokens} outside 1..{MAX_TOKENS}")
+    # The shared expert's unit table is written by the routing warp, one unit
+    # a lane (``grouped_common.number_units``): at the narrowest unit width.
+    if ceil_div(tokens, min(GROUPS)) > routing.LANES:
+        reasons.append(f"tokens {tokens}: the shared expert's units ({min(GROUPS)} tokens each) "
+                       f"are one a lane of a warp, at most {routing.LANES}")  # fmt: skip
     # The stage words hold this bucket's units (the counter blocks, sized for
     # MAX_TOKENS, are memory only): the most units of any width at ``tokens``.
     units = unit_capacity(experts, top_k, tokens) if not reasons else 0

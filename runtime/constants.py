@@ -16,7 +16,10 @@ FP8_MAX = 448.0
 #: the layer's dispatch table). The configs' grouped buckets reach it (all
 #: but Kimi-K2 TP8, whose 384 experts' unit tables leave sm_90a too little
 #: shared memory for a 512-token ring: 448): one call of up to 512 tokens
-#: reads each expert once, where chunks of 256 read it once per chunk.
+#: reads each expert once, where chunks of 256 read it once per chunk. 512
+#: is also the most the grouped kernel's tables take as they are: the shared
+#: expert's units, 16 tokens each on sm_100a, are one a lane of a warp
+#: (``kernels.grouped_plan.plan_problems``).
 MAX_TOKENS = 512
 
 #: The i32 kernel parameter holding the rows of x and logits a call passes

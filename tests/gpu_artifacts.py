@@ -10,7 +10,7 @@ import pytest
 import seeding
 
 #: Relative L2 error, against the float64 reference, of any one layer call
-#: (its 1-256 tokens; an error pooled over calls has the 1e-2 bar). One call
+#: (its 1-512 tokens; an error pooled over calls has the 1e-2 bar). One call
 #: of 1-3 tokens has read up to 2.3e-2 on the H200 where its pool read 9.3e-3;
 #: ~21,000 single tokens of Qwen3-235B TP4 and GLM-5.3 read at most 2.5e-2
 #: (p99.9 1.2-2.3e-2; docs/notes/models-h200.md, "The layer's error at M <= 4").

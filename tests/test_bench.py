@@ -314,7 +314,7 @@ def test_check_counts_near_ties_with_the_model_routing(monkeypatch):
 def test_check_pools_at_least_check_rows_tokens():
     """CHECK_CALLS calls a case, more where M is small: the fewest calls
     holding CHECK_ROWS tokens."""
-    for m in range(1, 257):
+    for m in range(1, 1025):
         n = check_calls(m)
         assert n >= CHECK_CALLS and n * m >= CHECK_ROWS, m
         assert n == CHECK_CALLS or (n - 1) * m < CHECK_ROWS, m

@@ -499,6 +499,15 @@ def test_call_parity_under_any_interleaving(grid):
 # Workspaces, counters and shared memory ------------------------------------------------
 
 
+def test_the_shared_units_fit_one_warp():
+    """The routing warp writes the shared expert's unit table, one unit a
+    lane: the plan refuses a bucket whose shared units (at the narrowest
+    width) would outnumber the lanes, and MAX_TOKENS stays within it."""
+    assert gp.ceil_div(MAX_TOKENS, min(gp.GROUPS)) <= 32
+    assert not gp.plan_problems(4096, 512, 288, 8, MAX_TOKENS)
+    assert any("one a lane" in r for r in gp.plan_problems(4096, 512, 288, 8, 32 * 16 + 1))
+
+
 def test_workspaces_and_counters():
     p = plan()
     c = p.counters

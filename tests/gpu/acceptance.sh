@@ -33,7 +33,8 @@ PYTORCH_NO_CUDA_MEMORY_CACHING=1 step memcheck-grouped-m16-rows13 compute-saniti
 # The largest grouped bucket (every table at its largest, CTAs taking several tokens).
 largest=$(python3 -c 'import sys
 from runtime.artifact import read
-print(max(v.tokens for v in read(sys.argv[1]).variants if v.kernel == "grouped"))' "$art")
+print(max(v.tokens for v in read(sys.argv[1]).variants
+          if v.kernel == "grouped" and v.arch == "sm_90a" and v.finalize))' "$art")
 step "memcheck-grouped-m$largest-final" compute-sanitizer --tool memcheck --error-exitcode 3 \
     --kernel-name kns=moe_ python3 tests/gpu/one_call.py "$art" "grouped-sm_90a-m$largest-bfloat16-final"
 step host-profile python3 -m benchmarks.host_profile "$art" --tokens 1,8,13,64,300 --calls 300

@@ -13,7 +13,7 @@
 # ART_PARENT: a directory holding one artifact per config (directories with a
 # manifest.json, or NAME.tar.zst packages; other entries are ignored).
 # 1. tests: tests/gpu/test_models_gpu.py over every artifact ($MOE_MODEL_ARTIFACTS):
-#    the layer and both kernel entries at M from 1 to 256 (its TOKENS), both logits dtypes, random and
+#    the layer and both kernel entries at M from 1 to 512 (its TOKENS), both logits dtypes, random and
 #    skewed routing, one line per case -> OUTDIR/models-tests.log;
 # 2. bench: per artifact NAME, `moe-build bench` with random routing at every token
 #    bucket the artifact compiled (checked against the reference, then timed)

@@ -61,13 +61,14 @@ pytestmark = pytest.mark.gpu
 
 #: M of the cases: every mega bucket (1..4, and the grouped kernel padded to
 #: 8), M between buckets (5, 13, 33, 100, 129, 200, 300: padded) and grouped
-#: buckets (8, 16, 64, 128, 256, 448: every config's largest is 448 or more). ``$MOE_MODEL_TOKENS`` (comma-separated) runs other M instead, to
+#: buckets (8, 16, 64, 128, 256, 448, 512: Kimi-K2 TP8 runs 512 as chunks of
+#: 448 and 64). ``$MOE_MODEL_TOKENS`` (comma-separated) runs other M instead, to
 #: split a long run; an M above an artifact's largest bucket runs the layer
 #: in chunks (no kernel entry serves it).
 TOKENS = tuple(
     int(m)
     for m in os.environ.get(
-        "MOE_MODEL_TOKENS", "1,2,3,4,5,8,13,16,33,64,100,128,129,200,256,300,448"
+        "MOE_MODEL_TOKENS", "1,2,3,4,5,8,13,16,33,64,100,128,129,200,256,300,448,512"
     ).split(",")
 )
 ROUTINGS = ("random", "skewed")
