@@ -11,6 +11,7 @@ import pytest
 from grouped_layout import layout_problems
 
 from kernels import grouped_plan as gp
+from kernels import routing
 from runtime.constants import MAX_TOKENS, SMEM_LIMIT, TILE
 
 GLM5 = dict(hidden=4096, inter=512, experts=288, top_k=8)
@@ -503,7 +504,7 @@ def test_the_shared_units_fit_one_warp():
     """The routing warp writes the shared expert's unit table, one unit a
     lane: the plan refuses a bucket whose shared units (at the narrowest
     width) would outnumber the lanes, and MAX_TOKENS stays within it."""
-    assert gp.ceil_div(MAX_TOKENS, min(gp.GROUPS)) <= 32
+    assert gp.ceil_div(MAX_TOKENS, min(gp.GROUPS)) <= routing.LANES == 32
     assert not gp.plan_problems(4096, 512, 288, 8, MAX_TOKENS)
     assert any("one a lane" in r for r in gp.plan_problems(4096, 512, 288, 8, 32 * 16 + 1))
 

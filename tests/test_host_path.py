@@ -396,21 +396,11 @@ def test_the_padding_table_covers_the_padded_variants_alone(null):
     the largest bucket of a variant that is padded: with grouped variants
     that take ``valid`` that is the mega kernel's, not the largest bucket
     (2 MiB at 512); an artifact whose grouped variants predate ``valid``
-    needs them to its largest."""
+    needs them to its largest (``test_an_artifact_without_valid_still_pads``)."""
     layer = null.layer()
     mega = max(v.tokens for v in layer.artifact.variants if v.kernel == "mega")
     assert max(v.tokens for v in layer.artifact.variants) > mega
     assert tuple(layer._sources.shape) == (mega, mega)
-    old = tuple(
-        dataclasses.replace(v, params=tuple(p for p in v.params if p[0] != VALID))
-        for v in variants(SHAPE)
-    )
-    largest = max(v.tokens for v in old)
-    before = cpu_layer(SHAPE, old)
-    try:
-        assert tuple(before._sources.shape) == (largest, largest)
-    finally:
-        before.artifact.close()
 
 
 def test_an_artifact_without_valid_still_pads(null):
@@ -418,13 +408,16 @@ def test_an_artifact_without_valid_still_pads(null):
     bucket's rows: a call below the bucket gets a padded copy of x and
     logits, whose rows past M repeat row M - 1, and a chunk of M rows is
     not launched straight into a caller's output (``launch_rows`` answers
-    False: such a kernel writes all its bucket's rows)."""
+    False: such a kernel writes all its bucket's rows). Its padding table
+    reaches its largest bucket, every variant being padded."""
     old = tuple(
         dataclasses.replace(v, params=tuple(p for p in v.params if p[0] != VALID))
         for v in variants(SHAPE)
     )
     layer = cpu_layer(SHAPE, old)
     try:
+        largest = max(v.tokens for v in old)
+        assert tuple(layer._sources.shape) == (largest, largest)
         m = 5
         x, logits, bias = inputs(SHAPE, m)
         variant = layer._variant(layer.tables["float32"][m], "float32")
