@@ -16,6 +16,12 @@ import seeding
 #: (p99.9 1.2-2.3e-2; docs/notes/models-h200.md, "The layer's error at M <= 4").
 CALL_TOL = 3e-2
 
+#: Tokens whose best top_k + 1 routing keys (or kept and dropped group
+#: scores) are closer than this (``runtime.reference.tie_margin``) may be
+#: routed differently by a kernel whose score function is a few ulp off
+#: torch's: tests compare them on the kernel's own choice or count them apart.
+TIE = 1e-6
+
 
 def pooled_rel_l2(pairs) -> float:
     """The relative L2 error of (got, want) pairs taken together, in float64

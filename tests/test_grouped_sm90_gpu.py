@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import seeding
-from gpu_artifacts import CALL_TOL, artifact_paths, bind_fresh, pooled_rel_l2
+from gpu_artifacts import CALL_TOL, TIE, artifact_paths, bind_fresh, pooled_rel_l2
 
 from runtime.reference import rel_l2
 
@@ -39,7 +39,6 @@ TOL = 1e-2  # relative L2 error against the reference (docs/semantics.md's bar)
 #: bucket): one hidden FP8 code flipped by accumulation order moves them more
 #: (1.18e-2 seen once on the H200 for an 8-row call). They are held to TOL
 #: pooled over a test's calls and to CALL_TOL per call.
-TIE = 1e-6  # keys closer than this may be ordered differently (approximate sigmoid)
 DTYPES = ("float32", "bfloat16")
 
 

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import pytest
 import seeding
-from gpu_artifacts import artifact_paths, bind_fresh
+from gpu_artifacts import TIE, artifact_paths, bind_fresh
 
 from benchmarks.bench import check_calls
 from runtime.reference import rel_l2
@@ -50,7 +50,6 @@ pytestmark = pytest.mark.gpu
 
 TOL = 1e-2  # relative L2 error of out against the float64 reference
 ROW_TOL = 3e-2  # relative L2 error of any single shared row (one route) or call
-TIE = 1e-6  # keys closer than this may be ordered differently
 TRIALS = 3  # calls per variant at least (``check_calls``), fresh inputs each
 
 

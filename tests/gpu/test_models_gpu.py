@@ -46,7 +46,7 @@ import os
 
 import pytest
 import seeding
-from gpu_artifacts import CALL_TOL, artifact_name, final_bound, model_artifacts
+from gpu_artifacts import CALL_TOL, TIE, artifact_name, final_bound, model_artifacts
 
 from benchmarks.bench import (
     TOLERANCE,
@@ -75,9 +75,6 @@ ROUTINGS = ("random", "skewed")
 DTYPES = ("float32", "bfloat16")
 #: Relative L2 error against the float64 reference, pooled over a case's calls.
 TOL = TOLERANCE["layer"]
-#: Tokens whose best top_k + 1 keys (or kept and dropped group scores) are
-#: closer than this may be routed differently (the kernels' GPU tests' TIE).
-TIE = 1e-6
 #: Routing weights: relative error against the reference's (absolute floor).
 WEIGHT_RTOL, WEIGHT_ATOL = 1e-5, 1e-7
 

@@ -22,7 +22,7 @@ import shutil
 import pytest
 import seeding
 import torch
-from gpu_artifacts import CALL_TOL, pooled_rel_l2
+from gpu_artifacts import CALL_TOL, TIE, pooled_rel_l2
 
 import runtime
 from runtime.errors import ArtifactError, DeviceRefused, InputError
@@ -32,9 +32,6 @@ from runtime.reference import moe_reference, rel_l2, tie_margin, tie_margin_for
 pytestmark = pytest.mark.gpu
 
 TOL = 1e-2
-#: Keys closer than this may be ordered differently by a kernel whose sigmoid
-#: is a few ulp off; such tokens are compared on the kernel's own choice.
-TIE = 1e-6
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -106,9 +103,11 @@ def test_every_variant_matches_reference(artifact, layer, weights, device):
             ref = _reference(artifact, weights, x, logits, bias)
             exact = moe_reference(x, logits, bias, weights[1], weights[2], artifact.shape,
                                   dtype=torch.float64)  # fmt: skip
-            err = rel_l2(final, ref.final)
+            clear = _clear_rows(artifact, logits, bias)  # the other rows: no ids to compare on
+            err = rel_l2(final[clear], ref.final[clear]) if bool(clear.any()) else 0.0
             results[v.name] = {"final": round(err, 5),
-                               "final_f64": round(rel_l2(final, exact.final), 5)}  # fmt: skip
+                               "final_f64": round(rel_l2(final, exact.final), 5),
+                               "near_ties_apart": int((~clear).sum())}  # fmt: skip
             if final.isnan().any() or err >= TOL:
                 failed.append(v.name)
             continue
@@ -140,10 +139,21 @@ def test_every_variant_matches_reference(artifact, layer, weights, device):
 CALLS_PER_M = 3
 
 
+def _clear_rows(artifact, logits, bias) -> torch.Tensor:
+    """Bool [M]: the tokens whose routing is no near tie (``tie_margin_for``
+    at least TIE). A near-tie token may route apart from the reference: one
+    route's row wholly off, about 1e-2 of an error pooled over 3 calls of a
+    few hundred tokens (the size of the one M = 292 pool that read 1.04e-2
+    on an H100, where the other M read ~4e-3). The layer returns no ids to
+    compare on, so such rows are counted apart, as in ``_check_routing``."""
+    return tie_margin_for(logits, bias, artifact.shape) >= TIE
+
+
 def test_layer_serves_every_m(artifact, layer, weights, device):
-    """Every M the layer serves, both logits dtypes: the relative L2 error
+    """Every M the layer serves, both logits dtypes: every row finite; the
+    relative L2 error over the tokens that are no near tie (``_clear_rows``)
     pooled over CALLS_PER_M calls within TOL, each call within CALL_TOL."""
-    errors = {}
+    errors, apart = {}, {}
     for dtype in layer.dtypes:
         for m in sorted(layer.tables[dtype]):
             pairs = []
@@ -152,14 +162,20 @@ def test_layer_serves_every_m(artifact, layer, weights, device):
                 final = layer(x, logits, bias)
                 assert final.shape == (m, artifact.shape.hidden)
                 assert final.dtype == torch.bfloat16
+                assert not final.isnan().any(), (dtype, m)
                 want = _reference(artifact, weights, x, logits, bias).final
-                err = rel_l2(final, want)
-                assert not final.isnan().any() and err < CALL_TOL, (dtype, m, err)
-                pairs.append((final, want))
+                clear = _clear_rows(artifact, logits, bias)
+                if not bool(clear.all()):
+                    apart[f"{dtype} M={m}"] = apart.get(f"{dtype} M={m}", 0) + int((~clear).sum())
+                if bool(clear.any()):
+                    err = rel_l2(final[clear], want[clear])
+                    assert err < CALL_TOL, (dtype, m, err)
+                    pairs.append((final[clear], want[clear]))
             pooled = pooled_rel_l2(pairs)
             errors[f"{dtype} M={m}"] = round(pooled, 5)
             assert pooled < TOL, (dtype, m, pooled)
     print(json.dumps(errors))
+    print(f"near-tie tokens counted apart: {json.dumps(apart) if apart else 'none'}")
 
 
 def _below_buckets(layer, dtype) -> list[tuple[int, int]]:
@@ -194,7 +210,7 @@ def test_a_call_below_its_bucket_is_its_padded_call(artifact, weights, device):
         x, logits, bias = _inputs(artifact.shape, m, dtype, device)
         got = layer(x, logits, bias)
         assert got.shape == (m, artifact.shape.hidden)
-        assert got.untyped_storage().nbytes() == got.nbytes()
+        assert got.untyped_storage().nbytes() == got.nbytes
         full = layer(pad_rows(x, bucket), pad_rows(logits, bucket), bias)
         assert torch.equal(got, full[:m]), (m, bucket)
         want = _reference(artifact, weights, x, logits, bias).final
@@ -235,6 +251,8 @@ def test_graph_replays_stay_right(artifact, layer, weights, device):
             final = layer(x, logits, bias)
         # The bars of every GPU test: pooled over the calls within TOL, each
         # call within CALL_TOL (a single M = 1 call reads up to ~1.2e-2).
+        # Near-tie tokens count apart (``_clear_rows``).
+        clear = [_clear_rows(artifact, p[1], p[2]) for p in pool]
         worst, err, ref = 0.0, 0.0, 0.0
         for i in range(1000):
             px, pl, pb, want = pool[i % len(pool)]
@@ -243,12 +261,17 @@ def test_graph_replays_stay_right(artifact, layer, weights, device):
             bias.copy_(pb)
             graph.replay()
             assert not final.isnan().any(), (m, i)
-            worst = max(worst, rel_l2(final, want))
-            err += float((final.double() - want.double()).square().sum())
+            rows = clear[i % len(pool)]
+            if not bool(rows.any()):
+                continue
+            got, want = final[rows], want[rows]
+            worst = max(worst, rel_l2(got, want))
+            err += float((got.double() - want.double()).square().sum())
             ref += float(want.double().square().sum())
-        pooled = (err / ref) ** 0.5
+        pooled = (err / ref) ** 0.5 if ref else 0.0
+        apart = sum(int((~c).sum()) for c in clear)
         print(f"graph M={m} {dtype}: 1000 replays, pooled rel_l2 {pooled:.5f}, "
-              f"worst replay {worst:.5f}")  # fmt: skip
+              f"worst replay {worst:.5f}, {apart} near-tie token(s) of {m * len(pool)} apart")  # fmt: skip
         assert pooled < TOL and worst < CALL_TOL, (m, pooled, worst)
 
 
@@ -274,7 +297,7 @@ def test_two_streams_in_parallel(artifact, layer, weights, device):
         # reference (a whole route's row off, at 256 tokens 1e-2 of the pooled
         # error): they are counted apart, as in ``_check_routing``.
         for s in range(2):
-            kept = [tie_margin_for(p[1], p[2], artifact.shape) >= TIE for p in pools[s]]
+            kept = [_clear_rows(artifact, p[1], p[2]) for p in pools[s]]
             pairs = [(got, pools[s][i % 4][3]) for i, got in enumerate(results[s])]
             for i, (got, want) in enumerate(pairs):
                 assert not got.isnan().any() and rel_l2(got, want) < CALL_TOL, (m_pair, s, i)

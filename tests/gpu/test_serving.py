@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 import seeding
 import torch
+from gpu_artifacts import TIE
 
 import runtime
 from runtime.chunks import chunk_plan, run_chunked
@@ -39,7 +40,6 @@ pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
 TOL = 1e-2
 SAME = 1e-3
-TIE = 1e-6
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
