@@ -57,7 +57,7 @@ bench: install
 	$(VENV)/bin/moe-build bench $(OUT) --routing random --routing skewed --routing uniform \
 		--json benchmarks/results/latest.json --plot benchmarks/results/latest.png
 
-## gpu-check: on a GPU machine, every GPU test, sanitizers, host profile and bench of $(OUT)
+## gpu-check: on a GPU machine, the bench, host profile, sanitizers and every GPU test of $(OUT)
 gpu-check: install
 	PATH=$(VENV)/bin:$$PATH tests/gpu/acceptance.sh $(OUT) benchmarks/results/latest-check
 

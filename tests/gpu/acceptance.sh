@@ -4,13 +4,16 @@
 #
 #   tests/gpu/acceptance.sh ARTIFACT OUTDIR [--no-bench]
 #
-# 1. the GPU tests (kernels against the float64 reference, layer, graphs,
-#    streams, reliability, serving) with $MOE_BUILD_ARTIFACT=ARTIFACT;
-# 2. compute-sanitizer memcheck and racecheck of one bucket of each kernel, and
+# 1. moe-build bench over random, skewed and uniform routing -> OUTDIR/bench.json,
+#    .png (every case checked against the float64 reference before it is timed;
+#    first, so that a run cut short keeps the headline: the JSON is rewritten
+#    after each case);
+# 2. the eager host-time profile (benchmarks/host_profile.py);
+# 3. compute-sanitizer memcheck and racecheck of one bucket of each kernel, and
 #    memcheck of a grouped call below its bucket (13 rows of m16, unpadded) and
 #    of the largest grouped bucket;
-# 3. the eager host-time profile (benchmarks/host_profile.py);
-# 4. moe-build bench over random, skewed and uniform routing -> OUTDIR/bench.json, .png.
+# 4. the GPU tests (kernels against the float64 reference, layer, graphs,
+#    streams, reliability, serving) with $MOE_BUILD_ARTIFACT=ARTIFACT.
 # Logs go to OUTDIR; the exit status is the first failing step's. Every model's
 # artifact (correctness per routing family, a short bench): tests/gpu/models.sh.
 set -uo pipefail
@@ -18,7 +21,11 @@ art=${1:?artifact}; out=${2:?output directory}; bench=${3:-}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 MOE_BUILD_ARTIFACT="$art" MOE_MEGA_ARTIFACTS="$art" MOE_GROUPED_ARTIFACTS="$art"
 source "$(cd "$(dirname "$0")" && pwd)/steps.sh"
-step gpu-tests python3 -m pytest -q -s -rs -m gpu tests
+if [ "$bench" != "--no-bench" ]; then
+    step bench python3 -m pipeline.cli bench "$art" --routing random --routing skewed \
+        --routing uniform --reps 30 --json "$out/bench.json" --plot "$out/bench.png"
+fi
+step host-profile python3 -m benchmarks.host_profile "$art" --tokens 1,8,13,64,300 --calls 300
 for tool in memcheck racecheck; do
     for v in mega-sm_90a-m1-float32 grouped-sm_90a-m8-float32-final; do
         step "$tool-$v" compute-sanitizer --tool "$tool" --error-exitcode 3 --kernel-name kns=moe_ \
@@ -37,9 +44,5 @@ print(max(v.tokens for v in read(sys.argv[1]).variants
           if v.kernel == "grouped" and v.arch == "sm_90a" and v.finalize))' "$art")
 step "memcheck-grouped-m$largest-final" compute-sanitizer --tool memcheck --error-exitcode 3 \
     --kernel-name kns=moe_ python3 tests/gpu/one_call.py "$art" "grouped-sm_90a-m$largest-bfloat16-final"
-step host-profile python3 -m benchmarks.host_profile "$art" --tokens 1,8,13,64,300 --calls 300
-if [ "$bench" != "--no-bench" ]; then
-    step bench python3 -m pipeline.cli bench "$art" --routing random --routing skewed \
-        --routing uniform --reps 30 --json "$out/bench.json" --plot "$out/bench.png"
-fi
+step gpu-tests python3 -m pytest -q -s -rs -m gpu tests
 exit $status
