@@ -16,10 +16,13 @@ stamps, replays it once more and reads what its last call left (every call
 overwrites them). Times are printed in microseconds from the first CTA's
 end of its PDL wait (``per_cta``; entries before it read negative): per
 stamp point the minimum, median and maximum over the CTAs that wrote it,
-then the counts (FC1 and FC2 stages, units); ``--json`` also keeps every
-CTA's values (``per_cta``). The sm_100a kernel
-records every point but the MMA consumer's four (``first_full``,
-``fc1_done``, ``first_fc2``, ``consumer_end``).
+then the counts (FC1 and FC2 stages, units), then the summed waits in
+microseconds (``STAMP_SUMS``: the consumer's wait for full stages and its
+time in the closes, the producer's wait for free stages; a consumer-bound
+call shows it as producer waits); ``--json`` also keeps every CTA's values
+(``per_cta``). The sm_100a kernel records every point but the MMA
+consumer's six (``first_full``, ``fc1_done``, ``first_fc2``,
+``consumer_end``, ``wait_full``, ``closing``).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import statistics
 import torch
 
 from benchmarks.bench import COPIES, POOL, routing_inputs
-from kernels.grouped_plan import STAMP_COUNTS, STAMP_POINTS, partial_bytes
+from kernels.grouped_plan import STAMP_COUNTS, STAMP_POINTS, STAMP_SUMS, partial_bytes
 from runtime import driver
 
 
@@ -40,12 +43,13 @@ def per_cta(stamps: torch.Tensor) -> dict:
     from the earliest end of a PDL wait (the first moment a CTA of the call
     may act on the previous call's results; the earliest entry where no CTA
     wrote it), as signed 32-bit differences, so CTAs on either side of a
-    timer wrap order right; counts as they are. Entries read negative: the
+    timer wrap order right; counts as they are; the summed waits
+    (``STAMP_SUMS``, ns) in us. Entries read negative: the
     grouped kernel lets the next call launch early, so its CTAs may enter
     while the previous call still runs. The stamps are zeroed before the
     call, so a 0 is a point the CTA did not write."""
     words = stamps.view(-1, len(STAMP_POINTS)).to(torch.int64) & 0xFFFFFFFF
-    times = [i for i, name in enumerate(STAMP_POINTS) if name not in STAMP_COUNTS]
+    times = [i for i, name in enumerate(STAMP_POINTS) if name not in STAMP_COUNTS + STAMP_SUMS]
     written = words[:, times][words[:, times] != 0]
     if written.numel() == 0:
         return {name: [None] * words.shape[0] for name in STAMP_POINTS}
@@ -68,6 +72,8 @@ def per_cta(stamps: torch.Tensor) -> dict:
         col = words[:, i].tolist()
         if name in STAMP_COUNTS:
             out[name] = col
+        elif name in STAMP_SUMS:
+            out[name] = [v / 1e3 for v in col]
         else:
             out[name] = [since(v) - origin if v else None for v in col]
     return out
@@ -178,6 +184,8 @@ def main(argv=None) -> int:
                 "min / median / max"
             )
             for name, v in line.items():
+                if name == STAMP_SUMS[0]:
+                    print("  summed waits, us a call (min / median / max over the CTAs):")
                 if v is None:
                     continue
                 if name in STAMP_COUNTS:

@@ -891,11 +891,17 @@ class GroupedCommon:
     # -- the producer (warp 0, one lane) -------------------------------------------------
 
     @cute.jit
-    def post(self, t: Tables, maps: Int64, n, word):
-        """Posts stage n's word, then loads its weights (END: arrive only)."""
+    def post(self, t: Tables, maps: Int64, n, word, waits=None):
+        """Posts stage n's word, then loads its weights (END: arrive only).
+        ``waits`` (a diagnostics build: Int64 [1] in registers) sums the ns
+        spent waiting for the free stage."""
         slot = n % self.stages
         if n >= self.stages:
+            if cutlass.const_expr(self.stamps):
+                start = ptx.globaltimer()
             ptx.mbarrier_wait(t.empty(slot), ((n // self.stages) - 1) % 2)
+            if cutlass.const_expr(self.stamps):
+                waits[0] = waits[0] + (ptx.globaltimer() - start)
         desc = t.desc
         desc[n % self.posts] = word
         ptx.mbarrier_arrive(t.posted(n % self.posts))
@@ -921,9 +927,13 @@ class GroupedCommon:
         ``chunk`` at a time from the per-half job counters (FC2 balances FC1's
         uneven finish), then one END per gatherer."""
         self.stamp(t, "tables")
+        waits = None
+        if cutlass.const_expr(self.stamps):
+            waits = cute.make_rmem_tensor(cute.make_layout((1,)), Int64)
+            waits[0] = Int64(0)
         n1 = t.scal[S_N1A] + t.scal[S_N1B]
         for n in cutlass.range(n1, unroll=1):
-            self.post(t, maps, n, self.describe(t, n))
+            self.post(t, maps, n, self.describe(t, n), waits)
         self.stamp(t, "fc1_posted")
         n = n1
         half = Int32(0)
@@ -942,16 +952,17 @@ class GroupedCommon:
                 for job in cutlass.range(start, cutlass.min(start + self.chunk, count), unroll=1):
                     unit, tile = gp.job_of(self.plan, first, job)
                     for k in cutlass.range_constexpr(self.job):
-                        self.post(t, maps, n, gp.fc2_word(self.plan, unit, tile, k, Uint32))
+                        self.post(t, maps, n, gp.fc2_word(self.plan, unit, tile, k, Uint32), waits)
                         n = n + 1
             else:
                 half = half + 1
                 if half < 2:
                     claim = Int32(ptx.atom_add_release_gpu_u32(jobs + 4, Uint32(self.chunk)))
         for g in cutlass.range_constexpr(self.GATHERERS):
-            self.post(t, maps, n + g, Uint32(END))
+            self.post(t, maps, n + g, Uint32(END), waits)
         if cutlass.const_expr(self.stamps):
             self.stamp(t, "all_posted")
+            self.stamp(t, "wait_empty", waits[0])
             self.stamp(t, "fc1_stages", n1)
             self.stamp(t, "fc2_stages", n - n1)
             self.stamp(t, "units", t.scal[gp.S_UNITS])

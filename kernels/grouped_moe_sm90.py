@@ -238,9 +238,18 @@ class GroupedMoeSm90(GroupedCommon):
         opened = Int32(0)
         n = Int32(0)
         word = Uint32(0)
+        if cutlass.const_expr(self.stamps):
+            # ns waiting for full stages, ns in the closes (STAMP_SUMS)
+            sums = cute.make_rmem_tensor(cute.make_layout((2,)), Int64)
+            sums[0] = Int64(0)
+            sums[1] = Int64(0)
         while word != Uint32(END):
             slot = n % self.stages
+            if cutlass.const_expr(self.stamps):
+                waited = ptx.globaltimer()
             ptx.mbarrier_wait(t.full(slot), (n // self.stages) % 2)
+            if cutlass.const_expr(self.stamps):
+                sums[0] = sums[0] + (ptx.globaltimer() - waited)
             word = Uint32(t.desc[n % self.posts])
             if cutlass.const_expr(self.stamps):
                 if e == 0:
@@ -276,6 +285,8 @@ class GroupedMoeSm90(GroupedCommon):
                 else:
                     self.add_scaled(frag, up, parts, scales)
                 if closes:
+                    if cutlass.const_expr(self.stamps):
+                        closing = ptx.globaltimer()
                     count = t.ucnt[unit]
                     if fc2:
                         self.store_rows(t, frag, up, unit, tile, count, out, shared_out)
@@ -284,6 +295,8 @@ class GroupedMoeSm90(GroupedCommon):
                             t, frag, up, gate, n, opened, count, unit, half, cta, e, hidden,
                             hscale, partial, mine,
                         )  # fmt: skip
+                    if cutlass.const_expr(self.stamps):
+                        sums[1] = sums[1] + (ptx.globaltimer() - closing)
                 if cutlass.const_expr(self.stamps):
                     if e == 0:
                         if not fc2:
@@ -292,6 +305,8 @@ class GroupedMoeSm90(GroupedCommon):
         if cutlass.const_expr(self.stamps):
             if e == 0:
                 self.stamp(t, "consumer_end")
+                self.stamp(t, "wait_full", sums[0])
+                self.stamp(t, "closing", sums[1])
 
     @cute.jit
     def mma_stage(self, parts, a_desc: Int64, b_desc: Int64, slot: Int32):

@@ -99,14 +99,23 @@ STAMPS_ENV = "MOE_BUILD_STAMPS"
 #: (unit tables done), end of its FC1 posts and of all posts; the MMA
 #: consumer's first full stage, its last FC1 stage done, its first FC2 stage
 #: full and its END; a gatherer's first FC2 unit ready; thread 0 after the
-#: finalize's wait and at exit; then counts: FC1 stages, FC2 stages, units.
+#: finalize's wait and at exit; then counts: FC1 stages, FC2 stages, units;
+#: then ``STAMP_SUMS``.
 STAMP_POINTS = (
     "entry", "pdl_wait", "route_done", "quantized", "routed", "tokens_ready", "tables", "fc1_posted", "all_posted",
     "first_full", "fc1_done", "first_fc2", "consumer_end", "fc2_ready", "finished", "exit",
-    "fc1_stages", "fc2_stages", "units",
+    "fc1_stages", "fc2_stages", "units", "wait_full", "closing", "wait_empty",
 )  # fmt: skip
 #: The stamp points that hold counts, not times.
 STAMP_COUNTS = ("fc1_stages", "fc2_stages", "units")
+#: The stamp points that hold summed durations (ns, ``%globaltimer``
+#: differences) over the call: one MMA consumer thread's time waiting for full
+#: stages (``wait_full``: the stream or the gatherers are behind) and in the
+#: closes (``closing``: FC1 pair closes and FC2 row stores, the stages
+#: waiting meanwhile), both sm_90a only; the producer's time waiting for a
+#: free stage (``wait_empty``: the consumer is behind). Where the consumer is
+#: the limit, ``wait_empty`` grows and ``wait_full`` shrinks.
+STAMP_SUMS = ("wait_full", "closing", "wait_empty")
 
 
 def stamps_enabled(environ=None) -> bool:

@@ -615,20 +615,23 @@ def test_grouped_timeline_reads_stamps_across_a_timer_wrap():
     end of a PDL wait (entries before it negative; the earliest entry where
     no CTA stamped the wait), right when the 32-bit timer wraps between the
     CTAs' entries; counts
-    as they are; a point no CTA wrote (0: the stamps are zeroed before the
-    call) is None, one some CTAs did not write counts the others only."""
+    as they are; summed waits (ns) in us, whatever the times; a point no CTA
+    wrote (0: the stamps are zeroed before the call) is None, one some CTAs
+    did not write counts the others only."""
     import torch
 
     from benchmarks.grouped_timeline import per_cta, timeline
-    from kernels.grouped_plan import STAMP_COUNTS, STAMP_POINTS
+    from kernels.grouped_plan import STAMP_COUNTS, STAMP_POINTS, STAMP_SUMS
 
     ctas, start = 3, (1 << 32) - 150  # ns; CTA 0 and 1 enter before the wrap, 2 after
     words = torch.zeros(ctas, len(STAMP_POINTS), dtype=torch.int64)
     for c in range(ctas):
         for i, name in enumerate(STAMP_POINTS):
-            words[c, i] = (
-                10 + c if name in STAMP_COUNTS else (start + 1000 * i + 100 * c) % (1 << 32)
-            )
+            words[c, i] = (start + 1000 * i + 100 * c) % (1 << 32)
+            if name in STAMP_COUNTS:
+                words[c, i] = 10 + c
+            if name in STAMP_SUMS:
+                words[c, i] = 2000 + 500 * c + 100 * STAMP_SUMS.index(name)
     words[:, STAMP_POINTS.index("finished")] = 0  # a variant without the finalize
     words[0, STAMP_POINTS.index("fc2_ready")] = 0  # a CTA without FC2 stages
     signed = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
@@ -641,6 +644,8 @@ def test_grouped_timeline_reads_stamps_across_a_timer_wrap():
     fc2 = at["fc2_ready"]
     assert got["fc2_ready"] == pytest.approx((fc2 + 0.1, fc2 + 0.15, fc2 + 0.2))
     assert got["units"] == (10, 11, 12)
+    for k, name in enumerate(STAMP_SUMS):
+        assert got[name] == pytest.approx((2.0 + 0.1 * k, 2.5 + 0.1 * k, 3.0 + 0.1 * k)), name
     assert got["finished"] is None
     cols = per_cta(signed)  # every CTA's own values, None where it wrote none
     assert cols["fc2_ready"][0] is None
