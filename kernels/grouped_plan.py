@@ -110,12 +110,18 @@ STAMP_POINTS = (
 STAMP_COUNTS = ("fc1_stages", "fc2_stages", "units")
 #: The stamp points that hold summed durations (ns, ``%globaltimer``
 #: differences) over the call: one MMA consumer thread's time waiting for full
-#: stages (``wait_full``: the stream or the gatherers are behind) and in the
-#: closes (``closing``: FC1 pair closes and FC2 row stores, the stages
-#: waiting meanwhile), both sm_90a only; the producer's time waiting for a
-#: free stage (``wait_empty``: the consumer is behind). Where the consumer is
-#: the limit, ``wait_empty`` grows and ``wait_full`` shrinks.
+#: stages (``wait_full``: the stream or the gatherers are behind; it includes
+#: the wait for the first stage and for the END) and in the closes
+#: (``closing``: FC1 pair closes and FC2 row stores, the stages waiting
+#: meanwhile), both sm_90a only (``CONSUMER_SUMS``); the producer's time
+#: waiting for a free stage (``wait_empty``: the consumer is behind). Where
+#: the consumer is the limit, ``wait_empty`` grows and ``wait_full`` shrinks.
+#: The timer ticks in steps of about a microsecond, so a wait shorter than a
+#: step reads 0 or one step: the sums are right on average over many waits,
+#: not each wait.
 STAMP_SUMS = ("wait_full", "closing", "wait_empty")
+#: The sums only the sm_90a kernel's consumer records.
+CONSUMER_SUMS = ("wait_full", "closing")
 
 
 def stamps_enabled(environ=None) -> bool:

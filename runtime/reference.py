@@ -171,6 +171,7 @@ def tie_margin(
     score: str = "sigmoid",
     groups: int = 1,
     groups_kept: int | None = None,
+    order: bool = True,
 ) -> torch.Tensor:
     """FP32 [M]: the smallest gap between consecutive keys among each token's
     ``top_k + 1`` best (experts of dropped groups excluded) and, when groups
@@ -178,10 +179,14 @@ def tie_margin(
     score (the order among kept groups changes nothing). A kernel whose score
     function is a few ulp off may order (or pick) experts differently where
     this is tiny: tests count such tokens apart instead of calling them
-    wrong."""
+    wrong. With ``order`` False, of the keys only the gap at the selection's
+    edge (the ``top_k``-th best against the next): what can change the set
+    of experts picked, and so an output that depends on the set alone (the
+    weighted sum ``final``), where ``order`` True also counts the order of
+    the picks (``ids``)."""
     s = routing_scores(logits, score)
     keys = selection_keys(s, bias, groups, groups_kept)
-    margin = _smallest_gap(keys, top_k + 1)
+    margin = _smallest_gap(keys, top_k + 1) if order else _edge_gap(keys, top_k)
     kept = groups if groups_kept is None else groups_kept
     if kept < groups:
         plain = s if bias is None else s + bias.float()[None, :]
@@ -191,11 +196,11 @@ def tie_margin(
 
 
 def tie_margin_for(logits: torch.Tensor, bias: torch.Tensor | None,
-                   shape: MoEShape) -> torch.Tensor:  # fmt: skip
+                   shape: MoEShape, order: bool = True) -> torch.Tensor:  # fmt: skip
     """``tie_margin`` under ``shape``'s routing (score function, groups; the
     bias only where ``shape.bias``, as ``route_for`` reads it)."""
     return tie_margin(logits, bias if shape.bias else None, shape.top_k, score=shape.score,
-                      groups=shape.groups, groups_kept=shape.groups_kept)  # fmt: skip
+                      groups=shape.groups, groups_kept=shape.groups_kept, order=order)  # fmt: skip
 
 
 def _smallest_gap(values: torch.Tensor, count: int) -> torch.Tensor:
@@ -203,6 +208,15 @@ def _smallest_gap(values: torch.Tensor, count: int) -> torch.Tensor:
     gaps = best[:, :-1] - best[:, 1:]
     # -inf - -inf (two excluded experts) is NaN: not a near tie.
     return gaps.nan_to_num(nan=float("inf")).amin(dim=-1)
+
+
+def _edge_gap(values: torch.Tensor, k: int) -> torch.Tensor:
+    """The ``k``-th largest of each row less the next (inf where a row has
+    no next value, or both are excluded, -inf)."""
+    if values.shape[-1] <= k:
+        return torch.full(values.shape[:-1], float("inf"), device=values.device)
+    best = torch.topk(values, k + 1, dim=-1).values
+    return (best[:, k - 1] - best[:, k]).nan_to_num(nan=float("inf"))
 
 
 # Quantization -----------------------------------------------------------------

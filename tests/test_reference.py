@@ -55,6 +55,28 @@ def test_route_ties_go_to_the_lower_expert():
     assert (tie_margin(logits, bias, 5) == 0).all()
 
 
+def test_a_set_margin_counts_the_selection_edge_alone():
+    """``tie_margin(order=False)``: only the gap between the top_k-th key and
+    the next changes the set picked; ties inside the set do not count.
+    Sigmoid keys with bias 0: logits 0 give 0.5, so two equal picks then a
+    gap of sigmoid(0) - sigmoid(-1) to the third."""
+    logits = torch.tensor([[0.0, 0.0, -1.0, -2.0]])
+    edge = torch.sigmoid(torch.tensor(0.0)) - torch.sigmoid(torch.tensor(-1.0))
+    assert tie_margin(logits, None, 2).item() == 0.0  # the picks' order ties
+    assert tie_margin(logits, None, 2, order=False).item() == pytest.approx(edge.item())
+    assert tie_margin(logits, None, 1, order=False).item() == 0.0  # the set itself ties
+    assert tie_margin(logits, None, 4, order=False).item() == float("inf")  # every expert
+    # Dropped groups still count: groups (0, 1) and (2, 3), one kept, scored by
+    # their two keys' sum; 1.0 apart against an edge of 0 inside group 0.
+    grouped = tie_margin(logits, None, 1, groups=2, groups_kept=1, order=False)
+    assert grouped.item() == 0.0
+    far = torch.tensor([[3.0, 0.0, -3.0, -3.0]])
+    want = min(torch.sigmoid(torch.tensor(3.0)) - torch.sigmoid(torch.tensor(0.0)),
+               (torch.sigmoid(torch.tensor(3.0)) + 0.5) - 2 * torch.sigmoid(torch.tensor(-3.0)))  # fmt: skip
+    got = tie_margin(far, None, 1, groups=2, groups_kept=1, order=False)
+    assert got.item() == pytest.approx(want.item())
+
+
 def test_activation_quantization_hand_case():
     x = torch.zeros(1, 128)
     x[0, :4] = torch.tensor([448.0, 17.0, 19.0, -17.0])
