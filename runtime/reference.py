@@ -186,7 +186,13 @@ def tie_margin(
     the picks (``ids``)."""
     s = routing_scores(logits, score)
     keys = selection_keys(s, bias, groups, groups_kept)
-    margin = _smallest_gap(keys, top_k + 1) if order else _edge_gap(keys, top_k)
+    gaps = _gaps(keys, top_k + 1)
+    if order:
+        margin = gaps.amin(dim=-1)
+    elif keys.shape[-1] > top_k:
+        margin = gaps[:, top_k - 1]
+    else:  # every expert picked: no edge
+        margin = torch.full(keys.shape[:-1], float("inf"), device=keys.device)
     kept = groups if groups_kept is None else groups_kept
     if kept < groups:
         plain = s if bias is None else s + bias.float()[None, :]
@@ -203,20 +209,12 @@ def tie_margin_for(logits: torch.Tensor, bias: torch.Tensor | None,
                       groups=shape.groups, groups_kept=shape.groups_kept, order=order)  # fmt: skip
 
 
-def _smallest_gap(values: torch.Tensor, count: int) -> torch.Tensor:
+def _gaps(values: torch.Tensor, count: int) -> torch.Tensor:
+    """[M, min(count, E) - 1]: the gaps between consecutive values among each
+    row's ``count`` largest, in order."""
     best = torch.sort(values, dim=-1, descending=True).values[:, :count]
-    gaps = best[:, :-1] - best[:, 1:]
     # -inf - -inf (two excluded experts) is NaN: not a near tie.
-    return gaps.nan_to_num(nan=float("inf")).amin(dim=-1)
-
-
-def _edge_gap(values: torch.Tensor, k: int) -> torch.Tensor:
-    """The ``k``-th largest of each row less the next (inf where a row has
-    no next value, or both are excluded, -inf)."""
-    if values.shape[-1] <= k:
-        return torch.full(values.shape[:-1], float("inf"), device=values.device)
-    best = torch.topk(values, k + 1, dim=-1).values
-    return (best[:, k - 1] - best[:, k]).nan_to_num(nan=float("inf"))
+    return (best[:, :-1] - best[:, 1:]).nan_to_num(nan=float("inf"))
 
 
 # Quantization -----------------------------------------------------------------
