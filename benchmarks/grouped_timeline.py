@@ -18,9 +18,10 @@ end of its PDL wait (``per_cta``; entries before it read negative): per
 stamp point the minimum, median and maximum over the CTAs that wrote it,
 then the counts (FC1 and FC2 stages, units), then the summed waits in
 microseconds (``STAMP_SUMS``: the consumer's wait for full stages and its
-time in the closes, the producer's wait for free stages; a consumer-bound
-call shows it as producer waits); ``--json`` also keeps every CTA's values
-(``per_cta``). The sm_100a kernel records every point but the MMA
+time in the closes, the producer's wait for free stages), then the
+consumer's work (``consumer_work``: its busy time, and that and its closes
+per weight stage, to set beside the time a stage takes to arrive);
+``--json`` also keeps every CTA's values (``per_cta``, ``consumer``). The sm_100a kernel records every point but the MMA
 consumer's six (``first_full``, ``fc1_done``, ``first_fc2``,
 ``consumer_end``, ``wait_full``, ``closing``).
 """
@@ -98,6 +99,33 @@ def spread(cols: dict) -> dict:
 def timeline(stamps: torch.Tensor) -> dict:
     """``spread`` of the stamps' ``per_cta`` values."""
     return spread(per_cta(stamps))
+
+
+def consumer_work(cols: dict) -> dict:
+    """Per CTA (``per_cta``'s columns; None where a value is missing): the MMA
+    consumer's ``busy`` time, us, from its first full stage to its END less
+    its waits for full stages (the wgmma chains, the scaled sums and the
+    closes), and per weight stage of the CTA (FC1 + FC2) ``busy_a_stage``
+    and ``closes_a_stage`` (``closing``). Where a 32 KiB stage reaches an SM
+    every ``32768 / (copy bandwidth / SMs)`` (1.02 us on an H200, 1.44 on an
+    H100) a consumer busier than that a stage sets the stream's pace
+    (docs/notes/h100-measurements.md, "The mended tests, the consumer's time
+    and a read stream")."""
+    out = {"busy": [], "busy_a_stage": [], "closes_a_stage": []}
+    for first, end, waited, closing, fc1, fc2 in zip(
+        cols["first_full"], cols["consumer_end"], cols["wait_full"], cols["closing"],
+        cols["fc1_stages"], cols["fc2_stages"], strict=True,
+    ):  # fmt: skip
+        stages = (fc1 or 0) + (fc2 or 0)
+        if None in (first, end, waited, closing) or stages == 0:
+            busy = per = closes = None
+        else:
+            busy = end - first - waited
+            per, closes = busy / stages, closing / stages
+        out["busy"].append(busy)
+        out["busy_a_stage"].append(per)
+        out["closes_a_stage"].append(closes)
+    return out
 
 
 def stamped_variant(artifact):
@@ -185,8 +213,9 @@ def main(argv=None) -> int:
             if variant.arch != "sm_90a":  # its consumer sums nothing: None, not 0
                 cols.update({name: [None] * grid for name in CONSUMER_SUMS})
             line = spread(cols)
+            work = consumer_work(cols)
             results.append({"routing": routing, "tokens": m, "grid": grid, "points": line,
-                            "per_cta": cols})  # fmt: skip
+                            "per_cta": cols, "consumer": work})  # fmt: skip
             print(
                 f"{routing} M={m} ({grid} CTAs): us from the first PDL wait's end, "
                 "min / median / max"
@@ -199,6 +228,11 @@ def main(argv=None) -> int:
                 if name in STAMP_COUNTS:
                     print(f"  {name:14s} {v[0]:8.0f} {v[1]:8.0f} {v[2]:8.0f}")
                 else:
+                    print(f"  {name:14s} {v[0]:8.2f} {v[1]:8.2f} {v[2]:8.2f}")
+            work_line = spread(work)
+            if work_line["busy"] is not None:
+                print("  the consumer's work (us, us a stage; min / median / max):")
+                for name, v in work_line.items():
                     print(f"  {name:14s} {v[0]:8.2f} {v[1]:8.2f} {v[2]:8.2f}")
     if args.json:
         with open(args.json, "w") as f:

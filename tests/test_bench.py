@@ -659,6 +659,24 @@ def test_grouped_timeline_reads_stamps_across_a_timer_wrap():
     )
 
 
+def test_grouped_timeline_consumer_work_is_busy_time_a_stage():
+    """``consumer_work``: END - first full stage - waits for full stages, and
+    that and the closes over the CTA's FC1 + FC2 stages; None for a CTA
+    without a consumer value (sm_100a) or without stages."""
+    from benchmarks.grouped_timeline import consumer_work
+
+    cols = {
+        "first_full": [2.0, 3.0, None, 1.0], "consumer_end": [52.0, 43.0, 9.0, 5.0],
+        "wait_full": [10.0, 4.0, None, 1.0], "closing": [8.0, 6.0, None, 0.0],
+        "fc1_stages": [30, 20, 4, 0], "fc2_stages": [10, 10, 2, 0],
+    }  # fmt: skip
+    got = consumer_work(cols)
+    assert got["busy"][:2] == pytest.approx([40.0, 36.0]) and got["busy"][2:] == [None, None]
+    assert got["busy_a_stage"][:2] == pytest.approx([1.0, 1.2])
+    assert got["closes_a_stage"][:2] == pytest.approx([0.2, 0.2])
+    assert got["busy_a_stage"][2:] == [None, None] and got["closes_a_stage"][3] is None
+
+
 def test_grouped_timeline_reads_only_a_stamped_variant_of_the_loaded_arch():
     """``stamped_variant``: a grouped variant whose manifest notes name the
     stamps and whose ``partial`` workspace holds them; a release build's, a
