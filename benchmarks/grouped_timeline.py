@@ -21,9 +21,10 @@ microseconds (``STAMP_SUMS``: the consumer's wait for full stages and its
 time in the closes, the producer's wait for free stages), then the
 consumer's work (``consumer_work``: its busy time, and that and its closes
 per weight stage, to set beside the time a stage takes to arrive);
-``--json`` also keeps every CTA's values (``per_cta``, ``consumer``). The sm_100a kernel records every point but the MMA
-consumer's six (``first_full``, ``fc1_done``, ``first_fc2``,
-``consumer_end``, ``wait_full``, ``closing``).
+``--json`` also keeps every CTA's values (``per_cta``, ``consumer``). The
+sm_100a kernel records every point but the MMA consumer's six
+(``first_full``, ``fc1_done``, ``first_fc2``, ``consumer_end``,
+``wait_full``, ``closing``).
 """
 
 from __future__ import annotations
@@ -128,6 +129,12 @@ def consumer_work(cols: dict) -> dict:
     return out
 
 
+def _print_spread(name: str, v, digits: int) -> None:
+    """One printed row of ``spread``'s (min, median, max); none for None."""
+    if v is not None:
+        print(f"  {name:14s} " + " ".join(f"{x:8.{digits}f}" for x in v))
+
+
 def stamped_variant(artifact):
     """The loaded arch's first grouped variant, if it was built with stamps
     (its ``partial`` workspace holds them after the partials), else None."""
@@ -223,17 +230,12 @@ def main(argv=None) -> int:
             for name, v in line.items():
                 if name == STAMP_SUMS[0]:
                     print("  summed waits, us a call (min / median / max over the CTAs):")
-                if v is None:
-                    continue
-                if name in STAMP_COUNTS:
-                    print(f"  {name:14s} {v[0]:8.0f} {v[1]:8.0f} {v[2]:8.0f}")
-                else:
-                    print(f"  {name:14s} {v[0]:8.2f} {v[1]:8.2f} {v[2]:8.2f}")
+                _print_spread(name, v, 0 if name in STAMP_COUNTS else 2)
             work_line = spread(work)
             if work_line["busy"] is not None:
                 print("  the consumer's work (us, us a stage; min / median / max):")
                 for name, v in work_line.items():
-                    print(f"  {name:14s} {v[0]:8.2f} {v[1]:8.2f} {v[2]:8.2f}")
+                    _print_spread(name, v, 2)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
