@@ -23,9 +23,11 @@ def measured():
     found = {}
     for path in sorted(RESULTS.glob("*.json")):
         result = json.loads(path.read_text())
-        model = result.get("artifact", {}).get("model")
-        if not result.get("residency") or not model:
+        # Only bench results carry ``residency``; other committed records
+        # (timelines, A/Bs) name their artifact by path, not by manifest.
+        if not result.get("residency"):
             continue
+        model = result["artifact"]["model"]
         for name, r in result["residency"].items():
             match = re.fullmatch(r"mega-(sm_\w+)-m(\d+)-\w+", name)
             if not match:
